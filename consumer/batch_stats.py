@@ -1,0 +1,47 @@
+"""Statistics of a batch of trajectories, namespaced like `rollout/success`. Pure."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from shared.schema import Trajectory
+
+
+def rollout_stats(trajs: Sequence[Trajectory], step: int) -> dict[str, float]:
+    """Reward, success, actions, valid-action rate and staleness, overall and per tag."""
+    stats = _summary("rollout", trajs)
+    by_tag: dict[str, list[Trajectory]] = defaultdict(list)
+    for t in trajs:
+        by_tag[t.tag].append(t)
+    if len(by_tag) > 1:
+        for tag, members in sorted(by_tag.items()):
+            stats.update(_summary(f"rollout/{tag}", members))
+    staleness = np.array([step - t.version for t in trajs])
+    stats["rollout/staleness_mean"] = float(staleness.mean()) if len(trajs) else 0.0
+    stats["rollout/staleness_max"] = float(staleness.max()) if len(trajs) else 0.0
+    stats["rollout/tokens"] = float(sum(t.num_tokens for t in trajs))
+    return stats
+
+
+def _summary(prefix: str, trajs: Iterable[Trajectory]) -> dict[str, float]:
+    trajs = list(trajs)
+    if not trajs:
+        return {}
+    turns = [turn for t in trajs for turn in t.turns]
+    return {
+        f"{prefix}/score": float(np.mean([t.score for t in trajs])),
+        f"{prefix}/success": float(np.mean([t.success for t in trajs])),
+        f"{prefix}/num_actions": float(np.mean([t.num_actions for t in trajs])),
+        f"{prefix}/valid_action_rate": float(np.mean([turn.action_is_valid for turn in turns])) if turns else 0.0,
+    }
+
+
+def staleness_histogram(trajs: Sequence[Trajectory], step: int) -> dict[int, int]:
+    """How many trajectories were generated how many versions before `step`."""
+    hist: dict[int, int] = defaultdict(int)
+    for t in trajs:
+        hist[step - t.version] += 1
+    return dict(sorted(hist.items()))

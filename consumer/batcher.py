@@ -1,0 +1,116 @@
+"""From the trajectory stream to batches of complete, fresh-enough GRPO groups.
+
+Reads entries, routes producers' drop notices, assembles groups, drops groups that are stale at this step
+or timed out, and hands out a batch once G = rollout_batch_size / group_size complete groups are in hand.
+Nothing is acknowledged here except what is dropped: a batch's entries are acknowledged by `commit`, after
+the train step that used them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import redis
+
+from consumer.assembler import Added, Group, GroupAssembler
+from consumer.reader import Entry, StreamReader
+from shared.config import RollstreamConfig
+from shared.keys import Keys
+from shared.ledger import Ledger
+from shared.schema import GroupDropNotice, Trajectory
+from shared.versioning import is_stale
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Batch:
+    step: int
+    groups: list[Group]
+    wait_s: float = 0.0
+    dropped: Counter[str] = field(default_factory=Counter)
+    """Groups dropped while this batch was gathered, by outcome (stale_dropped, timeout_dropped, ...)."""
+
+    @property
+    def trajectories(self) -> list[Trajectory]:
+        return [t for g in self.groups for t in g.trajectories]
+
+
+class Batcher:
+    def __init__(self, client: redis.Redis, cfg: RollstreamConfig, consumer: str = "trainer-0") -> None:
+        self.cfg = cfg
+        self.keys = Keys.for_exp(cfg.exp_name)
+        self.ledger = Ledger(client, self.keys)
+        self.reader = StreamReader(client, self.keys, self.keys.traj, consumer,
+                                   count=cfg.redis.read_count, block_ms=cfg.redis.block_ms)
+        self.assembler = GroupAssembler(cfg.train_env_manager.group_size)
+        self.groups_per_batch = cfg.groups_per_batch
+        self.ratio = cfg.async_generation_ratio
+        self._dropped: Counter[str] = Counter()
+
+    def next_batch(self, step: int, *, timeout_s: float | None = None) -> Batch | None:
+        """Block until G usable complete groups are in hand (None if `timeout_s` passes first)."""
+        start = time.monotonic()
+        chosen: list[Group] = []
+        while True:
+            while len(chosen) < self.groups_per_batch and (group := self.assembler.take_ready()) is not None:
+                if is_stale(group.version, step, self.ratio):
+                    self._drop(group.group_id, "stale_dropped", f"version {group.version} at step {step}")
+                else:
+                    chosen.append(group)
+            if len(chosen) == self.groups_per_batch:
+                dropped, self._dropped = self._dropped, Counter()
+                return Batch(step, chosen, time.monotonic() - start, dropped)
+            if timeout_s is not None and time.monotonic() - start > timeout_s:
+                for group in reversed(chosen):  # put them back, oldest first again
+                    self.assembler.ready[group.group_id] = group
+                    self.assembler.ready.move_to_end(group.group_id, last=False)
+                return None
+            self.poll_once()
+
+    def poll_once(self) -> None:
+        """One read of the stream, then the timeout sweep once the backlog has been read."""
+        self.route(self.reader.read())
+        if self.reader.caught_up:
+            self.expire_timed_out()
+
+    def route(self, entries: list[Entry]) -> None:
+        alive = self.ledger.inflight_of([e.item.group_id for e in entries])
+        orphans = []
+        now = time.monotonic()
+        for entry, in_flight in zip(entries, alive):
+            item = entry.item
+            if not in_flight:  # the group already ended: a duplicate, or a late member of a dropped group
+                orphans.append(entry.entry_id)
+            elif isinstance(item, GroupDropNotice):
+                outcome = "failed_dropped"
+                ids = [*self.assembler.discard(item.group_id), entry.entry_id]
+                self._end(item.group_id, outcome, ids, f"{item.reason} on worker {item.worker_rank}: {item.detail}")
+            else:
+                try:
+                    self.assembler.add(entry.entry_id, item, now)
+                except ValueError as e:
+                    self.reader.dead_letter(entry.entry_id, {b"traj_id": item.traj_id.encode()}, str(e))
+        self.ledger.ack_orphans(orphans)
+
+    def expire_timed_out(self) -> None:
+        """Drop in-flight groups older than group_timeout_s that are not complete (their producer died)."""
+        for group_id in self.ledger.expired(self.cfg.group_timeout_s):
+            if not self.assembler.is_complete(group_id):
+                self._drop(group_id, "timeout_dropped", f"incomplete after {self.cfg.group_timeout_s} s")
+
+    def _drop(self, group_id: str, outcome: str, reason: str) -> None:
+        self._end(group_id, outcome, self.assembler.discard(group_id), reason)
+
+    def _end(self, group_id: str, outcome: str, entry_ids: list[bytes], reason: str) -> None:
+        if self.ledger.finish(group_id, outcome, entry_ids):
+            self._dropped[outcome] += 1
+            log.info("group %s %s: %s", group_id, outcome, reason)
+
+    def commit(self, batch: Batch, new_version: int, announcement: dict[str, str | int]) -> None:
+        """After the train step: the batch's groups are trained, their entries acked and deleted,
+        and version `new_version` is published, all in one transaction."""
+        self.ledger.commit_step([(g.group_id, g.entry_ids) for g in batch.groups], new_version, announcement)

@@ -1,0 +1,44 @@
+"""What a train step does with a batch. The GRPO/PPO learners plug in behind this interface."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from consumer.batcher import Batch
+from shared.config import RollstreamConfig
+
+
+class Learner(Protocol):
+    def train_step(self, batch: Batch) -> dict[str, float]:
+        """Update the policy on one batch; returns metrics namespaced like `loss/pg`."""
+        ...
+
+    def publish(self, version: int) -> dict[str, str | int]:
+        """Write the weights of `version` where producers can load them; returns {uri, digest}."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class StatsOnlyLearner:
+    """`actor_train.strategy_args.strategy_name: stats_only`: no model, a step only measures its batch.
+
+    For exercising the pipeline (and the scripted policy) without a model; versions still advance, so the
+    version cap and the staleness filter behave exactly as with a real learner.
+    """
+
+    def train_step(self, batch: Batch) -> dict[str, float]:
+        return {}
+
+    def publish(self, version: int) -> dict[str, str | int]:
+        return {"uri": "", "digest": ""}
+
+    def close(self) -> None:
+        pass
+
+
+def make_learner(cfg: RollstreamConfig) -> Learner:
+    name = cfg.actor_train.strategy_args.strategy_name
+    if name == "stats_only":
+        return StatsOnlyLearner()
+    raise ValueError(f"actor_train.strategy_args.strategy_name={name!r} has no learner yet")

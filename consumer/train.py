@@ -1,0 +1,83 @@
+"""The trainer loop: wait for a batch of complete groups, train, publish the next version, acknowledge.
+
+Step s consumes a batch and publishes version s + 1. The step counter is the published version in Redis,
+so a restarted trainer continues where the last committed step left off.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import redis
+from tqdm import tqdm
+
+from consumer.batch_stats import rollout_stats
+from consumer.batcher import Batcher
+from consumer.learner import Learner, make_learner
+from consumer.metrics import MetricsLogger
+from shared.codec import encode_trajectory
+from shared.config import RollstreamConfig
+from shared.ledger import reconciles
+from shared.recording import Recorder
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainSummary:
+    steps_done: int
+    last_version: int
+    counters: dict[str, int]
+    plot: str | None
+
+
+def run_trainer(cfg: RollstreamConfig, client: redis.Redis, *, consumer: str = "trainer-0",
+                stop: threading.Event | None = None, learner: Learner | None = None,
+                progress: bool = True) -> TrainSummary:
+    stop = stop or threading.Event()
+    batcher = Batcher(client, cfg, consumer)
+    learner = learner or make_learner(cfg)
+    metrics = MetricsLogger(cfg)
+    recorder = Recorder(cfg.record_to) if cfg.record_to else None
+    start = batcher.ledger.version()
+    bar = tqdm(total=cfg.max_steps, initial=start, desc="train", unit="step", disable=not progress,
+               dynamic_ncols=True)
+    try:
+        for step in range(start, cfg.max_steps):
+            batch = None
+            while batch is None and not stop.is_set():
+                batch = batcher.next_batch(step, timeout_s=1.0)
+            if batch is None:
+                break
+            t0 = time.monotonic()
+            stats = learner.train_step(batch)
+            t1 = time.monotonic()
+            announcement = learner.publish(step + 1)
+            batcher.commit(batch, step + 1, announcement)
+            t2 = time.monotonic()
+            if recorder:
+                for traj in batch.trajectories:
+                    recorder.write(encode_trajectory(traj))
+                recorder.flush()
+            counts = batcher.ledger.counters()
+            stats |= rollout_stats(batch.trajectories, step)
+            stats |= {"time/wait_s": batch.wait_s, "time/train_s": t1 - t0, "time/publish_s": t2 - t1}
+            stats |= {f"groups/{k}": float(v) for k, v in counts.items()}
+            stats |= {f"groups/step_{k}": float(v) for k, v in batch.dropped.items()}
+            if not reconciles(counts):
+                log.error("group counters do not reconcile after step %d: %s", step, counts)
+            metrics.log(step, stats, console=(step + 1) % cfg.logging_steps == 0)
+            bar.update()
+            bar.set_postfix(success=f"{stats.get('rollout/success', 0):.2f}",
+                            score=f"{stats.get('rollout/score', 0):.2f}", wait=f"{batch.wait_s:.1f}s")
+    finally:
+        bar.close()
+        if recorder:
+            recorder.close()
+        learner.close()
+        plot = metrics.close()
+    done = batcher.ledger.version()
+    return TrainSummary(done - start, done, batcher.ledger.counters(), str(plot) if plot else None)

@@ -1,0 +1,1 @@
+"""Multi-turn text games for LLM agents: `base.TextEnv`, the games, and `registry.make_env` for config tags."""

@@ -1,0 +1,126 @@
+"""The multi-turn text env interface: observations are grids as text, actions are the policy's raw replies."""
+
+from __future__ import annotations
+
+import string
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
+
+import gymnasium as gym
+import numpy as np
+from gymnasium import spaces
+
+from producer.envs.text import parse_action, reply_instructions
+
+MAX_REPLY_CHARS = 8192
+"""Longest reply the action space describes; longer replies are still parsed, just outside the space."""
+
+
+def check_positive_int(name: str, value: Any) -> int:
+    """`value` as an int, or a ValueError naming the config key."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return int(value)
+
+
+class TextEnv(gym.Env[str, str], ABC):
+    """A gymnasium env for an LLM agent: `step` takes the reply text, parses the action and plays it.
+
+    Subclasses set `action_names` and implement the game hooks below; this class owns parsing, the format
+    penalty, the turn count and truncation. An invalid reply costs `format_penalty`, changes nothing and is
+    not terminal. After `max_actions_per_traj` turns (valid or not) the episode is truncated.
+    """
+
+    metadata: ClassVar[dict[str, Any]] = {"render_modes": ["rgb_array"], "render_fps": 2}
+    action_names: tuple[str, ...] = ()
+
+    def __init__(self, *, max_actions_per_traj: int = 10, format_penalty: float = -0.1) -> None:
+        self.max_actions_per_traj = check_positive_int("max_actions_per_traj", max_actions_per_traj)
+        if isinstance(format_penalty, bool) or not isinstance(format_penalty, (int, float)):
+            raise ValueError(f"format_penalty must be a number, got {format_penalty!r}")
+        self.format_penalty = float(format_penalty)
+        self.render_mode = "rgb_array"
+        # Replies are free text; the charset only describes what `sample()` draws.
+        self.action_space = spaces.Text(max_length=MAX_REPLY_CHARS, min_length=0, charset=string.printable)
+        self._turn = 0
+        self._done = True
+
+    # ---- the game: subclasses implement these ----
+
+    @abstractmethod
+    def _new_episode(self, seed: int) -> None:
+        """Set up the game state for an episode; the state must be a pure function of `seed`."""
+
+    @abstractmethod
+    def _play(self, action: str) -> tuple[float, bool]:
+        """Play one valid action; returns (reward, terminated)."""
+
+    @abstractmethod
+    def is_success(self) -> bool:
+        """Whether the current state is a win."""
+
+    @abstractmethod
+    def render_text(self) -> str:
+        """The current state as text (the observation)."""
+
+    @abstractmethod
+    def render_rgb(self) -> np.ndarray:
+        """The current state as an (H, W, 3) uint8 image."""
+
+    @abstractmethod
+    def rules(self) -> str:
+        """The game's rules in a sentence or two."""
+
+    @abstractmethod
+    def legend(self) -> str:
+        """What each symbol of the text grid means."""
+
+    # ---- the gymnasium interface ----
+
+    def system_prompt(self) -> str:
+        """Rules, symbols, valid actions and the reply format."""
+        return "\n".join(
+            [
+                self.rules(),
+                f"Symbols: {self.legend()}.",
+                f"Actions: {', '.join(self.action_names)}.",
+                reply_instructions(self.action_names),
+            ]
+        )
+
+    @property
+    def actions_left(self) -> int:
+        return self.max_actions_per_traj - self._turn
+
+    def reset(self, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[str, dict[str, Any]]:
+        """Start an episode; the same seed gives the same game. Envs are reused across many episodes."""
+        super().reset(seed=seed)
+        # Without a seed the game seed is drawn from the env's own generator, as gymnasium does.
+        game_seed = int(seed) if seed is not None else int(self.np_random.integers(2**31))
+        self._new_episode(game_seed)
+        self._turn = 0
+        self._done = False
+        return self.render_text(), {"success": False, "actions_left": self.actions_left}
+
+    def step(self, reply: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        """Parse `reply`, play its action (or charge the format penalty) and report the new state."""
+        if self._done:
+            raise RuntimeError(f"{type(self).__name__}.step() called without reset() or after the episode ended")
+        action = parse_action(reply, self.action_names) if isinstance(reply, str) else None
+        self._turn += 1
+        if action is None:
+            reward, terminated = self.format_penalty, False
+        else:
+            reward, terminated = self._play(action)
+        truncated = not terminated and self._turn >= self.max_actions_per_traj
+        self._done = terminated or truncated
+        info = {
+            "action": action,
+            "action_is_valid": action is not None,
+            "success": self.is_success(),
+            "actions_left": self.actions_left,
+        }
+        return self.render_text(), float(reward), terminated, truncated, info
+
+    def render(self) -> np.ndarray:  # type: ignore[override]
+        return self.render_rgb()

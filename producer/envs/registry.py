@@ -1,0 +1,119 @@
+"""Tags to envs: the registered env types, user env classes by import path, and the default tags.
+
+A tag (FrozenLake, SimpleSokoban, ...) names an entry of `custom_envs`: an `env_type` plus the `env_config`
+keyword arguments of that type's constructor. `env_type` is a registered name (`known_env_types()`) or an
+import path `package.module:ClassName` to a subclass of `producer.envs.base.TextEnv`; a plain gymnasium env
+is not enough, since the episode loop needs `system_prompt()`, `action_names` and a text `step(reply)`.
+The constructor is called as `Class(**env_config, max_actions_per_traj=...)`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Mapping
+from functools import reduce
+from typing import Any
+
+from producer.envs.base import TextEnv, check_positive_int
+from producer.envs.frozen_lake import FrozenLakeEnv
+from producer.envs.sokoban import SokobanEnv
+from shared.config import CustomEnvConfig
+
+ENV_TYPES: dict[str, type[TextEnv]] = {"frozen_lake": FrozenLakeEnv, "sokoban": SokobanEnv}
+
+XSB_VOCAB = {
+    "wall": "#",
+    "empty": "-",
+    "target": ".",
+    "box": "$",
+    "box_on_target": "*",
+    "player": "@",
+    "player_on_target": "+",
+}
+"""The classic Sokoban file notation (with - for floor, so no cell is a space)."""
+
+PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
+    "FrozenLake": ("frozen_lake", {"size": 4, "p": 0.8, "is_slippery": False}),
+    "SimpleSokoban": ("sokoban", {"dim_room": [6, 6], "num_boxes": 1, "search_depth": 30}),
+    "LargerSokoban": ("sokoban", {"dim_room": [10, 10], "num_boxes": 2, "search_depth": 30}),
+    "SokobanDifferentGridVocab": (
+        "sokoban",
+        {"dim_room": [6, 6], "num_boxes": 1, "search_depth": 30, "grid_vocab": XSB_VOCAB},
+    ),
+}
+"""The default tags: tag -> (env_type, env_config)."""
+
+
+def known_env_types() -> list[str]:
+    return sorted(ENV_TYPES)
+
+
+def default_custom_envs() -> dict[str, CustomEnvConfig]:
+    """Fresh `custom_envs` entries for the default tags (other fields at their CustomEnvConfig defaults)."""
+    return {
+        tag: CustomEnvConfig(env_type=env_type, env_config={k: _copy(v) for k, v in env_config.items()})
+        for tag, (env_type, env_config) in PRESETS.items()
+    }
+
+
+def _copy(value: Any) -> Any:
+    return dict(value) if isinstance(value, dict) else list(value) if isinstance(value, list) else value
+
+
+def resolve_env_type(env_type: str) -> type[TextEnv]:
+    """The env class for a registered name or a `package.module:ClassName` import path."""
+    if env_type in ENV_TYPES:
+        return ENV_TYPES[env_type]
+    module_name, sep, attr = env_type.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(
+            f"unknown env_type {env_type!r}; registered types: {', '.join(known_env_types())}, "
+            "or an import path 'package.module:ClassName' to a TextEnv subclass"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"env_type {env_type!r}: cannot import module {module_name!r} ({e})") from e
+    try:
+        cls = reduce(getattr, attr.split("."), module)
+    except AttributeError as e:
+        raise ValueError(f"env_type {env_type!r}: module {module_name!r} has no attribute {attr!r}") from e
+    if not (isinstance(cls, type) and issubclass(cls, TextEnv)):
+        raise ValueError(f"env_type {env_type!r} is {cls!r}, not a subclass of producer.envs.base.TextEnv")
+    return cls
+
+
+def _check_env_config(cls: type[TextEnv], env_config: Mapping[str, Any]) -> None:
+    """Every key must be a constructor keyword; max_actions_per_traj belongs to the tag, not env_config."""
+    params = inspect.signature(cls).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    if not takes_any and "max_actions_per_traj" not in params:
+        raise ValueError(f"{cls.__qualname__}.__init__ must accept max_actions_per_traj")
+    named = (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    valid = [name for name, p in params.items() if p.kind in named and name != "max_actions_per_traj"]
+    for key in env_config:
+        if key == "max_actions_per_traj":
+            raise ValueError("max_actions_per_traj is set on the tag (next to env_type), not in env_config")
+        if key not in valid and not takes_any:
+            raise ValueError(f"unknown key {key!r} for {cls.__qualname__}; valid keys: {', '.join(valid)}")
+
+
+def make_env(tag: str, custom_envs: Mapping[str, CustomEnvConfig]) -> TextEnv:
+    """A new env for `tag`; errors name the tag, the key and what would be valid."""
+    if tag not in custom_envs:
+        raise ValueError(f"unknown env tag {tag!r}; known tags: {', '.join(sorted(custom_envs)) or '(none)'}")
+    spec = custom_envs[tag]
+    try:
+        cls = resolve_env_type(spec.env_type)
+    except ValueError as e:
+        raise ValueError(f"custom_envs.{tag}.env_type: {e}") from e
+    try:
+        check_positive_int("max_actions_per_traj", spec.max_actions_per_traj)
+    except ValueError as e:
+        raise ValueError(f"custom_envs.{tag}.{e}") from e
+    try:
+        _check_env_config(cls, spec.env_config)
+        return cls(**spec.env_config, max_actions_per_traj=spec.max_actions_per_traj)
+    except ValueError as e:
+        raise ValueError(f"custom_envs.{tag}.env_config: {e}") from e

@@ -1,0 +1,38 @@
+"""A seeded scripted policy: uniformly random valid actions, no model. Stands in for an LLM in tests and demos.
+
+Each reply is a pure function of the request's seed, so a replayed episode replays exactly.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from producer.envs.text import format_reply
+from producer.policy.base import GenerateRequest, Generation
+
+
+class ScriptedPolicy:
+    def __init__(self, invalid_reply_rate: float = 0.0) -> None:
+        self.invalid_reply_rate = invalid_reply_rate
+        """Share of replies that are deliberately garbage, to exercise the format penalty."""
+        self._version = 0
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    async def generate(self, request: GenerateRequest) -> Generation:
+        if not request.action_names:
+            raise ValueError("the scripted policy needs the env's action_names in the request")
+        rng = np.random.default_rng(request.sampling.seed)
+        if rng.random() < self.invalid_reply_rate:
+            return Generation(text="I am not sure what to do.", version=self._version)
+        action = request.action_names[int(rng.integers(len(request.action_names)))]
+        return Generation(text=format_reply(action), version=self._version)
+
+    async def load_weights(self, version: int, uri: str, digest: str) -> None:
+        # No weights to load; following the version keeps per-turn version tags truthful.
+        self._version = version
+
+    async def close(self) -> None:
+        pass

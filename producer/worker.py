@@ -1,0 +1,253 @@
+"""One env-worker process: its groups' envs as independent asyncio loops, one XADD per finished trajectory.
+
+admit (a slot under the version cap) -> play (one env's multi-turn loop) -> encode -> XADD.
+No barrier anywhere: each member of a group asks its group for the next episode; the first member to get
+there admits it, later members reuse it, so fast members run ahead while slow ones finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from typing import Iterable
+from pathlib import Path
+
+import redis.asyncio
+
+from producer.envs.base import TextEnv
+from producer.envs.registry import make_env
+from producer.episode import EpisodeSpec, Sampling, play_episode
+from producer.policy.base import Policy
+from shared.codec import encode_drop, encode_trajectory
+from shared.config import RollstreamConfig
+from shared.keys import Keys
+from shared.layout import GroupSpec, plan_layout
+from shared.ledger import Admission, AsyncAdmissions
+from shared.schema import GroupDropNotice, group_prefix
+from shared.seeding import episode_seed
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerStats:
+    """What the heartbeat reports; per-tag counts feed the metrics."""
+
+    episodes: Counter[str] = field(default_factory=Counter)
+    successes: Counter[str] = field(default_factory=Counter)
+    errors: Counter[str] = field(default_factory=Counter)
+    started_at: float = field(default_factory=time.time)
+
+
+class EnvWorker:
+    def __init__(self, cfg: RollstreamConfig, rank: int, client: redis.asyncio.Redis, policy: Policy,
+                 *, max_episodes: int | None = None) -> None:
+        self.cfg = cfg
+        self.rank = rank
+        self.client = client
+        self.policy = policy
+        self.keys = Keys.for_exp(cfg.exp_name)
+        self.layout = plan_layout(cfg.train_env_manager, cfg.custom_envs, "train_env_manager")
+        self.admissions = AsyncAdmissions(client, self.keys, cfg.groups_per_batch, cfg.async_generation_ratio)
+        self.max_episodes = max_episodes
+        """Burst mode for tests: stop admitting after this many episodes in this worker."""
+        self.stats = WorkerStats()
+        self.stop = asyncio.Event()
+        self.notified = asyncio.Event()
+        """Set whenever the control or weights stream moves: a slot may be free or a version published."""
+        self.version_loaded = asyncio.Condition()
+        self._admitted = 0
+        render = cfg.render_save_dir
+        self.render_dir = Path(render) if render else None
+
+    # ---- the loop ----
+
+    async def run(self) -> None:
+        """Play until stopped (SIGTERM: in-flight episodes are abandoned and reported) or, in burst mode,
+        until max_episodes episodes were admitted and played."""
+        groups = [GroupRunner(self, spec) for spec in self.layout.groups_of(self.rank)]
+        log.info("worker %d: %d groups, %d envs", self.rank, len(groups), len(groups) * self.layout.group_size)
+        stream_ids = await self._load_published_version()
+        background = [asyncio.create_task(self._follow_streams(stream_ids)), asyncio.create_task(self._heartbeat())]
+        members = [asyncio.create_task(g.run_member(m)) for g in groups for m in range(self.layout.group_size)]
+        playing = asyncio.gather(*members)
+        stopped = asyncio.create_task(self.stop.wait())
+        failure: BaseException | None = None
+        try:
+            await asyncio.wait([playing, stopped], return_when=asyncio.FIRST_COMPLETED)
+            if playing.done() and not playing.cancelled():
+                failure = playing.exception()  # a member crashed: clean up, then re-raise
+        finally:
+            for task in [playing, *background, stopped]:
+                task.cancel()
+            await asyncio.gather(playing, *background, stopped, return_exceptions=True)
+            for g in groups:
+                await g.drop_unfinished("shutdown")
+            await self.client.delete(self.keys.worker(self.rank))
+        if failure is not None:
+            raise failure
+
+    def request_stop(self) -> None:
+        """Signal-safe: only sets flags; `run` does the draining."""
+        self.stop.set()
+        self.notified.set()
+
+    async def wait_for_slot(self, prefix: str) -> Admission | None:
+        """Block until the group may start an episode; None once the worker is stopping."""
+        while not self.stop.is_set():
+            if self.max_episodes is not None and self._admitted >= self.max_episodes:
+                break
+            self.notified.clear()
+            admission = await self.admissions.admit(prefix)
+            if admission.episode is not None:
+                self._admitted += 1
+                await self._ensure_version(admission.version)
+                return admission
+            # No slot: wait for a notification instead of polling Redis. The timeout only bounds the
+            # cost of a lost notification (e.g. a Redis restart).
+            try:
+                await asyncio.wait_for(self.notified.wait(), timeout=5.0)
+            except asyncio.TimeoutError:
+                pass
+        return None
+
+    async def _ensure_version(self, version: int) -> None:
+        """An episode may not start with weights older than the version it was admitted under."""
+        async with self.version_loaded:
+            await self.version_loaded.wait_for(lambda: self.policy.version >= version or self.stop.is_set())
+
+    # ---- following the control and weights streams ----
+
+    async def _load_published_version(self) -> dict[str, bytes | str]:
+        """Load the newest announced weights; returns where to follow the streams from, so nothing is missed."""
+        ids: dict[str, bytes | str] = {}
+        for stream in (self.keys.control, self.keys.weights):
+            last = await self.client.xrevrange(stream, count=1)
+            ids[stream] = last[0][0] if last else "0-0"
+            if last and stream == self.keys.weights:
+                await self._load(last[0][1])
+        return ids
+
+    async def _follow_streams(self, ids: dict[str, bytes | str]) -> None:
+        while True:
+            replies = await self.client.xread(ids, block=self.cfg.redis.block_ms)  # type: ignore[arg-type]
+            for stream, entries in replies:
+                name = stream.decode()
+                ids[name] = entries[-1][0]
+                if name == self.keys.weights:
+                    await self._load(entries[-1][1])  # only the newest version matters
+            if replies:
+                self.notified.set()
+
+    async def _load(self, fields: dict[bytes, bytes]) -> None:
+        version = int(fields[b"version"])
+        if version > self.policy.version:
+            await self.policy.load_weights(version, fields.get(b"uri", b"").decode(),
+                                           fields.get(b"digest", b"").decode())
+            log.info("worker %d: loaded policy version %d", self.rank, version)
+        async with self.version_loaded:
+            self.version_loaded.notify_all()
+
+    async def _heartbeat(self) -> None:
+        key, every = self.keys.worker(self.rank), self.cfg.redis.heartbeat_s
+        host, pid = socket.gethostname(), os.getpid()
+        while True:
+            total = sum(self.stats.episodes.values())
+            elapsed = max(time.time() - self.stats.started_at, 1e-9)
+            await self.client.hset(key, mapping={
+                "rank": self.rank, "host": host, "pid": pid, "envs": len(self.layout.groups_of(self.rank))
+                * self.layout.group_size, "episodes": total, "errors": sum(self.stats.errors.values()),
+                "episodes_per_s": round(total / elapsed, 3), "loaded_version": self.policy.version,
+                "last_seen": round(time.time(), 3),
+            })
+            await self.client.expire(key, max(1, int(5 * every)))
+            await asyncio.sleep(every)
+
+    # ---- writing ----
+
+    async def publish(self, fields: dict[str, bytes | str | int | float]) -> None:
+        await self.client.xadd(self.keys.traj, fields)  # type: ignore[arg-type]
+
+
+class GroupRunner:
+    """The `group_size` envs of one env group; they play the same episodes, each at its own pace."""
+
+    def __init__(self, worker: EnvWorker, spec: GroupSpec) -> None:
+        self.worker = worker
+        self.spec = spec
+        self.env_cfg = worker.cfg.custom_envs[spec.tag]
+        self.prefix = group_prefix("train", spec.tag, spec.group_index)
+        self.admitted: dict[int, int] = {}
+        """k -> episode index of this group's k-th episode, until every member has written it."""
+        self.written: dict[int, set[int]] = defaultdict(set)
+        """k -> members whose trajectory for it is in the stream (all of them once the group is reported failed)."""
+        self.num_admitted = 0
+        self.lock = asyncio.Lock()
+
+    async def next_episode(self, k: int) -> int | None:
+        """The k-th episode of this group (k counts per member): admitted by whichever member needs it first."""
+        async with self.lock:
+            if k == self.num_admitted:
+                admission = await self.worker.wait_for_slot(self.prefix)
+                if admission is None or admission.episode is None:
+                    return None
+                self.admitted[k] = admission.episode
+                self.num_admitted += 1
+            return self.admitted[k]
+
+    def _mark_written(self, k: int, members: Iterable[int]) -> None:
+        self.written[k].update(members)
+        if len(self.written[k]) == self.worker.layout.group_size:
+            del self.written[k], self.admitted[k]
+
+    async def run_member(self, member: int) -> None:
+        env = self._make_env()
+        k = 0
+        while True:
+            episode = await self.next_episode(k)
+            if episode is None:
+                return
+            k += 1
+            spec = EpisodeSpec("train", self.spec.tag, self.spec.group_index, episode, member,
+                               episode_seed(self.worker.cfg.seed, "train", self.spec.group_index, episode),
+                               self.worker.rank)
+            try:
+                traj = await play_episode(env, self.worker.policy, spec, self._sampling(), self.worker.render_dir)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # an env (or a user's env) that raises must not take the worker down
+                log.exception("worker %d: %s failed in episode %s", self.worker.rank, spec.group_id, episode)
+                self.worker.stats.errors[self.spec.tag] += 1
+                await self._report_failed(k - 1, spec.group_id, f"{type(e).__name__}: {e}")
+                env = self._make_env()  # the old instance may be in any state
+                continue
+            await self.worker.publish(encode_trajectory(traj))
+            self._mark_written(k - 1, [member])
+            self.worker.stats.episodes[self.spec.tag] += 1
+            self.worker.stats.successes[self.spec.tag] += traj.success
+
+    def _make_env(self) -> TextEnv:
+        return make_env(self.spec.tag, self.worker.cfg.custom_envs)
+
+    def _sampling(self) -> Sampling:
+        gen = self.worker.cfg.actor_infer.generating_args
+        return Sampling(self.env_cfg.max_tokens_per_step, gen.temperature, gen.top_p, gen.top_k)
+
+    async def _report_failed(self, k: int, group_id: str, detail: str) -> None:
+        notice = GroupDropNotice(group_id, "error", detail[:500], self.worker.rank)
+        await self.worker.publish(encode_drop(notice))
+        self._mark_written(k, range(self.worker.layout.group_size))
+
+    async def drop_unfinished(self, reason: str) -> None:
+        """On shutdown: tell the trainer which admitted episodes will never complete, so their slots return."""
+        for episode in list(self.admitted.values()):
+            group_id = f"{self.prefix}{episode}"
+            try:
+                await self.worker.publish(encode_drop(GroupDropNotice(group_id, reason, "", self.worker.rank)))
+            except Exception:  # Redis gone at shutdown: the trainer's group timeout recovers the slot
+                log.warning("worker %d: could not report %s as %s", self.worker.rank, group_id, reason)

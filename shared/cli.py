@@ -1,0 +1,177 @@
+"""The `rollstream` command. Errors become one clear line and an exit code here, at the edge."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+from typing import Callable, Sequence
+
+from shared.codec import CodecError
+from shared.config import ConfigError, RollstreamConfig, load_config, to_yaml
+from shared.redis_io import RedisUnavailable, connect, resolve_url
+
+log = logging.getLogger("rollstream")
+
+EXIT_USAGE = 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname).1s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    try:
+        return int(args.func(args) or 0)
+    except (ConfigError, RedisUnavailable, CodecError, FileNotFoundError) as e:
+        print(f"rollstream: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rollstream", description="Asynchronous agentic RL on Redis Streams.")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(required=True, metavar="COMMAND")
+
+    def command(name: str, func: Callable[[argparse.Namespace], int | None], help: str,
+                config: str = "required") -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help, description=help)
+        if config == "required":
+            p.add_argument("config", help="YAML config file")
+        elif config == "optional":
+            p.add_argument("config", nargs="?", help="YAML config file")
+        if config != "none":
+            p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
+        p.set_defaults(func=func)
+        return p
+
+    p = command("run", _run, "run env-workers and trainer on this machine until max_steps")
+    p.add_argument("--fresh", action="store_true", help="delete the experiment's keys in Redis first")
+    p = command("producer", _producer, "run one env-worker process")
+    p.add_argument("--worker-rank", type=int, required=True)
+    p.add_argument("--max-episodes", type=int, default=None, help="burst mode: stop after this many episodes")
+    p = command("trainer", _trainer, "run the trainer")
+    p.add_argument("--consumer", default="trainer-0", help="stable consumer name in the stream's group")
+    p = command("config", _config_show, "print the resolved config and the env layout (config show ...)",
+                config="none")
+    p.add_argument("action", choices=["show"])
+    p.add_argument("config", help="YAML config file")
+    p.add_argument("overrides", nargs="*", metavar="key=value")
+    p = command("status", _status, "backlog, pending, lag, versions, group counters and live workers",
+                config="optional")
+    _redis_target(p)
+    p = command("record", _record, "copy the trajectory stream's backlog to a file (nothing is consumed)",
+                config="optional")
+    _redis_target(p)
+    p.add_argument("--out", required=True, help="file to write")
+    p.add_argument("--limit", type=int, default=None)
+    p = command("replay", _replay, "push a recorded file into the trajectory stream", config="none")
+    p.add_argument("file")
+    p.add_argument("config", nargs="?")
+    p.add_argument("overrides", nargs="*", metavar="key=value")
+    _redis_target(p)
+    return parser
+
+
+def _redis_target(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--redis", metavar="URL", help="Redis URL (else from the config / ROLLSTREAM_REDIS_URL)")
+    p.add_argument("--exp", metavar="NAME", help="experiment name (else exp_name from the config)")
+
+
+def _load(args: argparse.Namespace) -> RollstreamConfig:
+    return load_config(args.config, args.overrides)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from shared.launch import run_local
+
+    return run_local(_load(args), fresh=args.fresh)
+
+
+def _require_url(cfg: RollstreamConfig) -> str:
+    url = resolve_url(cfg.redis)
+    if url is None:
+        raise ConfigError("no Redis to connect to: set redis.url or ROLLSTREAM_REDIS_URL "
+                          "(only `rollstream run` starts an embedded server)")
+    return url
+
+
+def _producer(args: argparse.Namespace) -> int:
+    from producer.main import run_producer
+
+    cfg = _load(args)
+    run_producer(cfg, args.worker_rank, _require_url(cfg), max_episodes=args.max_episodes)
+    return 0
+
+
+def _trainer(args: argparse.Namespace) -> int:
+    from consumer.train import run_trainer
+
+    cfg = _load(args)
+    client = connect(_require_url(cfg), cfg.redis)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())  # handlers only set a flag; the loop drains
+    summary = run_trainer(cfg, client, consumer=args.consumer, stop=stop)
+    log.info("trainer done: version %d, groups %s%s", summary.last_version, summary.counters,
+             f", curves in {summary.plot}" if summary.plot else "")
+    return 0 if summary.last_version >= cfg.max_steps or stop.is_set() else 1
+
+
+def _config_show(args: argparse.Namespace) -> int:
+    from shared.layout import describe_layout, plan_layout
+
+    cfg = _load(args)
+    print(to_yaml(cfg))
+    print("# train_env_manager layout")
+    print(describe_layout(plan_layout(cfg.train_env_manager, cfg.custom_envs, "train_env_manager")))
+    if cfg.eval_steps:
+        print("# val_env_manager layout")
+        print(describe_layout(plan_layout(cfg.val_env_manager, cfg.custom_envs, "val_env_manager")))
+    return 0
+
+
+def _target(args: argparse.Namespace) -> tuple[RollstreamConfig, str]:
+    cfg = load_config(args.config, args.overrides or ()) if args.config else RollstreamConfig()
+    if args.exp:
+        cfg.exp_name = args.exp
+    url = args.redis or resolve_url(cfg.redis)
+    if url is None:
+        raise ConfigError("which Redis? pass --redis URL, set ROLLSTREAM_REDIS_URL, or give a config with redis.url")
+    return cfg, url
+
+
+def _status(args: argparse.Namespace) -> int:
+    from shared.keys import Keys
+    from shared.status import format_status, read_status
+
+    cfg, url = _target(args)
+    keys = Keys.for_exp(cfg.exp_name)
+    print(format_status(read_status(connect(url, cfg.redis), keys), keys.ns))
+    return 0
+
+
+def _record(args: argparse.Namespace) -> int:
+    from shared.keys import Keys
+    from shared.replay import record_backlog
+
+    cfg, url = _target(args)
+    n = record_backlog(connect(url, cfg.redis), Keys.for_exp(cfg.exp_name), args.out, args.limit)
+    print(f"recorded {n} entries to {args.out}")
+    return 0
+
+
+def _replay(args: argparse.Namespace) -> int:
+    from shared.keys import Keys
+    from shared.replay import replay_file
+
+    cfg, url = _target(args)
+    n = replay_file(connect(url, cfg.redis), Keys.for_exp(cfg.exp_name), args.file)
+    print(f"replayed {n} entries into {Keys.for_exp(cfg.exp_name).traj}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

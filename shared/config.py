@@ -1,0 +1,274 @@
+"""The one typed config schema (omegaconf structured configs), its loading and its validation.
+
+Key names follow ROLL's agentic pipeline configs (see the seeds), so a ROLL user reads ours at a glance.
+Every bad value raises `ConfigError` naming the key, the value and what would be valid.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+
+class ConfigError(ValueError):
+    """A config value is wrong; the message names the key, the value and what is valid."""
+
+
+@dataclass
+class CustomEnvConfig:
+    """One entry of `custom_envs`: what a tag means."""
+
+    env_type: str = "frozen_lake"
+    """A registered env type (frozen_lake, sokoban, ...) or an import path `package.module:Class`."""
+    max_actions_per_traj: int = 10
+    """Turns per episode before it is truncated."""
+    max_tokens_per_step: int = 128
+    """Most tokens the policy may generate in one reply."""
+    env_config: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments for the env's constructor."""
+
+
+@dataclass
+class EnvManagerConfig:
+    """How many envs of which tags run, and how they are packed into worker processes."""
+
+    max_env_num_per_worker: int = 16
+    """Envs one worker process runs at once; a multiple of group_size, since a group is never split."""
+    num_env_groups: int = 8
+    """Env groups in total; each plays its own episodes."""
+    group_size: int = 8
+    """Envs per group; they play the same episode (same config, same seed): one GRPO group."""
+    tags: list[str] = field(default_factory=lambda: ["FrozenLake"])
+    """Which `custom_envs` entries to run."""
+    num_groups_partition: list[int] | None = None
+    """Groups per tag, in the order of `tags`; unset splits num_env_groups evenly."""
+
+
+@dataclass
+class StrategyArgs:
+    strategy_name: str = "scripted"
+    """actor_infer: scripted | hf_infer | vllm; actor_train: stats_only (more to come)."""
+    strategy_config: dict[str, Any] = field(default_factory=dict)
+    """Backend-specific settings (vLLM: gpu_memory_utilization, tensor_parallel_size, ...)."""
+
+
+@dataclass
+class GeneratingArgs:
+    max_new_tokens: int = 128
+    top_p: float = 1.0
+    top_k: int = -1
+    temperature: float = 1.0
+    num_return_sequences: int = 1
+
+
+@dataclass
+class TrainingArgs:
+    learning_rate: float = 3.0e-4
+    weight_decay: float = 0.0
+    per_device_train_batch_size: int = 8
+    gradient_accumulation_steps: int = 1
+    warmup_steps: int = 0
+    lr_scheduler_type: str = "constant"
+
+
+@dataclass
+class ModelArgs:
+    dtype: str = "fp32"
+    model_type: str = "causal_lm"
+    attn_implementation: str = "sdpa"
+    disable_gradient_checkpointing: bool = True
+
+
+@dataclass
+class WorkerConfig:
+    """`actor_train` / `actor_infer`: a role's model, training, generation and strategy settings."""
+
+    model_args: ModelArgs = field(default_factory=ModelArgs)
+    training_args: TrainingArgs = field(default_factory=TrainingArgs)
+    generating_args: GeneratingArgs = field(default_factory=GeneratingArgs)
+    strategy_args: StrategyArgs = field(default_factory=StrategyArgs)
+    device_mapping: Any = None
+    infer_batch_size: int = 1
+
+
+@dataclass
+class RedisConfig:
+    url: str | None = None
+    """redis://[user:password@]host:port/db or rediss:// for TLS; unset starts an embedded server.
+    The environment variable ROLLSTREAM_REDIS_URL wins over this key."""
+    block_ms: int = 2000
+    """How long one XREADGROUP/XREAD blocks; kept well below socket_timeout_s."""
+    socket_timeout_s: float = 30.0
+    """Must exceed block_ms, or redis-py turns a blocking read into a TimeoutError after retries."""
+    read_count: int = 128
+    """Entries fetched per XREADGROUP."""
+    heartbeat_s: float = 2.0
+    """How often a worker refreshes its heartbeat; it is considered gone after 5 missed beats."""
+
+
+@dataclass
+class RollstreamConfig:
+    exp_name: str = "frozen_lake"
+    seed: int = 42
+    output_dir: str = "./output/${exp_name}"
+    logging_dir: str = "${output_dir}/logs"
+    render_save_dir: str | None = None
+    """When set, every episode saves one PNG per step under this dir."""
+
+    max_steps: int = 20
+    save_steps: int = 10000
+    logging_steps: int = 1
+    eval_steps: int = 0
+    """Run validation every this many steps; 0 disables it."""
+    resume_from_checkpoint: Any = False
+
+    rollout_batch_size: int = 64
+    """Trajectories per train step; a multiple of train_env_manager.group_size."""
+    val_batch_size: int = 64
+    sequence_length: int = 2048
+    async_generation_ratio: int = 0
+    """r: generation may run r policy versions ahead of training; 0 is synchronous."""
+    group_timeout_s: float = 600.0
+    """An admitted group whose members have not all arrived after this long is dropped."""
+
+    pretrain: str | None = None
+    adv_estimator: str = "grpo"
+    ppo_epochs: int = 1
+    gamma: float = 1.0
+    lambd: float = 1.0
+    pg_clip: float = 0.2
+    init_kl_coef: float = 0.0
+    whiten_advantages: bool = False
+    entropy_loss_coef: float = 0.0
+
+    actor_train: WorkerConfig = field(default_factory=WorkerConfig)
+    actor_infer: WorkerConfig = field(default_factory=WorkerConfig)
+    train_env_manager: EnvManagerConfig = field(default_factory=EnvManagerConfig)
+    val_env_manager: EnvManagerConfig = field(
+        default_factory=lambda: EnvManagerConfig(num_env_groups=8, group_size=1, max_env_num_per_worker=8)
+    )
+    custom_envs: dict[str, CustomEnvConfig] = field(
+        default_factory=lambda: {"FrozenLake": CustomEnvConfig()}
+    )
+    redis: RedisConfig = field(default_factory=RedisConfig)
+    wandb_mode: str = "offline"
+    """online | offline | disabled: offline writes the run under output_dir for a later `wandb sync`."""
+    wandb_project: str = "rollstream"
+    record_to: str | None = None
+    """When set, the trainer appends every trajectory it trains on to this file (see `rollstream replay`)."""
+
+    @property
+    def groups_per_batch(self) -> int:
+        """G: complete GRPO groups per train step."""
+        return self.rollout_batch_size // self.train_env_manager.group_size
+
+
+INFER_STRATEGIES = ("scripted", "hf_infer", "vllm")
+TRAIN_STRATEGIES = ("stats_only",)
+ADV_ESTIMATORS = ("grpo", "reinforce", "gigpo")
+
+
+def load_config(path: str | os.PathLike[str] | None, overrides: Sequence[str] = ()) -> RollstreamConfig:
+    """YAML file (optional) merged over the schema, then `key=value` overrides, then validation."""
+    schema = OmegaConf.structured(RollstreamConfig)
+    try:
+        layers = [schema]
+        if path is not None:
+            if not Path(path).is_file():
+                raise ConfigError(f"config file {str(path)!r} does not exist")
+            layers.append(OmegaConf.load(path))
+        layers.append(OmegaConf.from_dotlist(list(overrides)))
+        merged = OmegaConf.merge(*layers)
+        OmegaConf.resolve(merged)
+        cfg: RollstreamConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
+    except OmegaConfBaseException as e:
+        raise ConfigError(_describe_omegaconf_error(e)) from None
+    validate(cfg)
+    return cfg
+
+
+def _describe_omegaconf_error(e: OmegaConfBaseException) -> str:
+    key = getattr(e, "full_key", None)
+    first_line = str(e).splitlines()[0] if str(e) else type(e).__name__
+    if key:
+        return f"config key {key!r}: {first_line}"
+    return f"config: {first_line}"
+
+
+def to_yaml(cfg: RollstreamConfig) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def validate(cfg: RollstreamConfig) -> None:
+    """Check what types alone cannot; the layout checks live in `shared.layout`."""
+    from shared.layout import plan_layout  # the layout owns the env-manager arithmetic
+
+    _positive(cfg.max_steps, "max_steps", allow_zero=False)
+    _positive(cfg.rollout_batch_size, "rollout_batch_size", allow_zero=False)
+    _positive(cfg.save_steps, "save_steps", allow_zero=False)
+    _positive(cfg.logging_steps, "logging_steps", allow_zero=False)
+    _positive(cfg.eval_steps, "eval_steps", allow_zero=True)
+    _positive(cfg.ppo_epochs, "ppo_epochs", allow_zero=False)
+    if cfg.async_generation_ratio < 0:
+        raise ConfigError(
+            f"async_generation_ratio={cfg.async_generation_ratio}: must be an integer >= 0 "
+            "(0 = synchronous, 1 = generation may run one version ahead of training)"
+        )
+    if cfg.group_timeout_s <= 0:
+        raise ConfigError(f"group_timeout_s={cfg.group_timeout_s}: must be > 0 seconds")
+    group_size = cfg.train_env_manager.group_size
+    if group_size > 0 and cfg.rollout_batch_size % group_size:
+        raise ConfigError(
+            f"rollout_batch_size={cfg.rollout_batch_size} is not a multiple of "
+            f"train_env_manager.group_size={group_size}: a batch holds whole GRPO groups; "
+            f"try rollout_batch_size={max(1, cfg.rollout_batch_size // group_size) * group_size}"
+        )
+    _one_of(cfg.actor_infer.strategy_args.strategy_name, "actor_infer.strategy_args.strategy_name", INFER_STRATEGIES)
+    _one_of(cfg.actor_train.strategy_args.strategy_name, "actor_train.strategy_args.strategy_name", TRAIN_STRATEGIES)
+    _one_of(cfg.adv_estimator, "adv_estimator", ADV_ESTIMATORS)
+    _one_of(cfg.wandb_mode, "wandb_mode", ("online", "offline", "disabled"))
+    if cfg.redis.block_ms / 1000 >= cfg.redis.socket_timeout_s:
+        raise ConfigError(
+            f"redis.block_ms={cfg.redis.block_ms} must stay below redis.socket_timeout_s="
+            f"{cfg.redis.socket_timeout_s} s, or a blocking read times out on the socket"
+        )
+    for tag, env in cfg.custom_envs.items():
+        _positive(env.max_actions_per_traj, f"custom_envs.{tag}.max_actions_per_traj", allow_zero=False)
+        _positive(env.max_tokens_per_step, f"custom_envs.{tag}.max_tokens_per_step", allow_zero=False)
+    plan_layout(cfg.train_env_manager, cfg.custom_envs, "train_env_manager")
+    if cfg.eval_steps:
+        plan_layout(cfg.val_env_manager, cfg.custom_envs, "val_env_manager")
+        if cfg.val_env_manager.group_size != 1:
+            raise ConfigError(
+                f"val_env_manager.group_size={cfg.val_env_manager.group_size}: validation runs at "
+                "temperature 0, so every member of a group would play the same; use 1"
+            )
+
+
+def _positive(value: int, key: str, *, allow_zero: bool) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else ">= 1"
+        raise ConfigError(f"{key}={value}: must be an integer {bound}")
+
+
+def _one_of(value: str, key: str, valid: Sequence[str]) -> None:
+    if value not in valid:
+        raise ConfigError(f"{key}={value!r}: must be one of {', '.join(valid)}")
+
+
+def as_dict(cfg: RollstreamConfig) -> dict[str, Any]:
+    """Plain containers, for logging the run's config (wandb) and for child processes."""
+    container = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+    assert isinstance(container, dict)
+    return container  # type: ignore[return-value]
+
+
+def dump_config(cfg: RollstreamConfig, path: Path) -> None:
+    """Write the resolved config, so child processes and later readers see exactly what ran."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(to_yaml(cfg))

@@ -1,0 +1,78 @@
+"""Every Redis key rollstream uses, in one place. Nobody else builds key strings.
+
+All keys live under one namespace, `rollstream:<exp_name>` (written <ns> in the docs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+TRAINER_GROUP = "trainer"
+"""Consumer group the trainer reads the trajectory streams with."""
+
+
+@dataclass(frozen=True)
+class Keys:
+    ns: str
+
+    @classmethod
+    def for_exp(cls, exp_name: str) -> "Keys":
+        return cls(f"rollstream:{exp_name}")
+
+    @property
+    def traj(self) -> str:
+        """Stream of finished train trajectories (and producers' group-drop notices)."""
+        return f"{self.ns}:traj"
+
+    @property
+    def val(self) -> str:
+        """Stream of validation trajectories; never mixed into train batches."""
+        return f"{self.ns}:val"
+
+    @property
+    def dead(self) -> str:
+        """Dead-letter stream: entries that could not be decoded, with the reason."""
+        return f"{self.ns}:dead"
+
+    @property
+    def weights(self) -> str:
+        """Stream of weight announcements {version, uri, digest}."""
+        return f"{self.ns}:weights"
+
+    @property
+    def version(self) -> str:
+        """The latest published policy version (an integer)."""
+        return f"{self.ns}:version"
+
+    @property
+    def counters(self) -> str:
+        """Hash of group counters: admitted, returned, trained, stale, timeout, error, ..."""
+        return f"{self.ns}:counters"
+
+    @property
+    def inflight(self) -> str:
+        """Sorted set of admitted, not yet finished group ids, scored by admission time."""
+        return f"{self.ns}:inflight"
+
+    @property
+    def episodes(self) -> str:
+        """Hash: env group -> number of episodes it has been admitted so far."""
+        return f"{self.ns}:episodes"
+
+    @property
+    def control(self) -> str:
+        """Stream of notifications producers block on: slots returned, versions, pause/resume."""
+        return f"{self.ns}:control"
+
+    @property
+    def paused(self) -> str:
+        """Set while train admission is paused (validation)."""
+        return f"{self.ns}:paused"
+
+    def worker(self, rank: int) -> str:
+        """Heartbeat hash of one env-worker; expires when the worker stops beating."""
+        return f"{self.ns}:worker:{rank}"
+
+    @property
+    def worker_pattern(self) -> str:
+        return f"{self.ns}:worker:*"

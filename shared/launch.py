@@ -1,0 +1,116 @@
+"""`rollstream run`: every process of an experiment on this machine, then nothing left behind.
+
+Starts an embedded Redis when no URL is configured, one producer process per worker rank and the trainer,
+waits for the trainer to finish max_steps, then stops the producers (SIGTERM: they return their slots)
+and the server. Producers log to files under logging_dir; the trainer owns the console.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from contextlib import ExitStack
+from pathlib import Path
+from typing import IO
+
+from shared.config import RollstreamConfig, dump_config
+from shared.embedded import EmbeddedRedis
+from shared.keys import Keys
+from shared.layout import plan_layout
+from shared.redis_io import URL_ENV, connect, redact, resolve_url
+
+log = logging.getLogger(__name__)
+
+
+def run_local(cfg: RollstreamConfig, *, fresh: bool = False) -> int:
+    out = Path(cfg.output_dir)
+    config_path = out / "config.yaml"
+    dump_config(cfg, config_path)
+    layout = plan_layout(cfg.train_env_manager, cfg.custom_envs, "train_env_manager")
+    logs = Path(cfg.logging_dir)
+    logs.mkdir(parents=True, exist_ok=True)
+    with ExitStack() as stack:
+        url = resolve_url(cfg.redis)
+        if url is None:
+            data = out / "redis"
+            if not cfg.resume_from_checkpoint and data.exists():
+                shutil.rmtree(data)  # a new run starts from an empty server; resuming keeps it
+            url = stack.enter_context(EmbeddedRedis(data)).url
+            log.info("embedded Redis at %s (data in %s)", url, data)
+        _prepare_namespace(cfg, url, fresh)
+        env = os.environ | {URL_ENV: url}
+        producers = [
+            _spawn(["producer", str(config_path), "--worker-rank", str(rank)], env,
+                   stack.enter_context(open(logs / f"producer-{rank}.log", "ab" if cfg.resume_from_checkpoint else "wb")))
+            for rank in range(layout.num_workers)
+        ]
+        log.info("started %d env-workers (logs in %s)", len(producers), logs)
+        trainer = _spawn(["trainer", str(config_path)], env, None)
+        try:
+            code = _wait_for_trainer(trainer, producers)
+        finally:
+            _stop_all([trainer, *producers])
+    return code
+
+
+def _prepare_namespace(cfg: RollstreamConfig, url: str, fresh: bool) -> None:
+    client = connect(url, cfg.redis)
+    keys = Keys.for_exp(cfg.exp_name)
+    existing = client.keys(f"{keys.ns}:*")
+    if existing and fresh:
+        client.delete(*existing)
+        log.info("deleted %d keys of the previous run under %s", len(existing), keys.ns)
+    elif existing:
+        version = int(client.get(keys.version) or 0)
+        log.warning("%s already holds experiment %r at version %d: continuing it (--fresh starts over)",
+                    redact(url), cfg.exp_name, version)
+    client.close()
+
+
+def _spawn(args: list[str], env: dict[str, str], output: IO[bytes] | None) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-m", "shared.cli", *args], env=env, stdout=output,
+                            stderr=subprocess.STDOUT if output else None, preexec_fn=_die_with_parent)
+
+
+def _die_with_parent() -> None:
+    """Linux: a child gets SIGTERM if the launcher dies, even by kill -9, so no producer is orphaned."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def _wait_for_trainer(trainer: subprocess.Popen[bytes], producers: list[subprocess.Popen[bytes]]) -> int:
+    try:
+        while trainer.poll() is None:
+            for p in producers:
+                if p.poll() not in (None, 0):
+                    log.error("env-worker pid %d exited with %s; see its log", p.pid, p.returncode)
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        log.warning("interrupted: stopping the trainer and env-workers")
+        trainer.send_signal(signal.SIGTERM)
+        trainer.wait()
+        return 130
+    return trainer.returncode
+
+
+def _stop_all(processes: list[subprocess.Popen[bytes]], timeout_s: float = 30.0) -> None:
+    for p in processes:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    for p in processes:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.warning("pid %d ignored SIGTERM for %.0f s: killing it", p.pid, timeout_s)
+            p.kill()
+            p.wait()

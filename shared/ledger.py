@@ -1,0 +1,177 @@
+"""The group ledger in Redis: admission under the version cap, and how every admitted group ends.
+
+Admission and finishing are Lua scripts, so each is atomic however many producers and trainers race.
+Every admitted group is in `<ns>:inflight` until it ends as exactly one of trained, stale_dropped,
+timeout_dropped or failed_dropped (the ZREM decides who got there first), which makes the counters
+reconcile: admitted = trained + stale_dropped + timeout_dropped + failed_dropped + in flight.
+The arithmetic is `shared.versioning.admission_cap`, repeated in ADMIT_LUA.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import redis
+import redis.asyncio
+
+from shared.keys import TRAINER_GROUP, Keys
+
+OUTCOMES = ("trained", "stale_dropped", "timeout_dropped", "failed_dropped")
+"""How an admitted group ends. All but trained return the group's slot, so another episode may start."""
+
+# KEYS: version, counters, inflight, episodes, paused
+# ARGV: groups per batch G, ratio r, group prefix (the group id without its episode index)
+# Returns {episode, version}; episode -1 = admission paused, -2 = the cap is reached.
+ADMIT_LUA = """
+local version = tonumber(redis.call('GET', KEYS[1]) or '0')
+if redis.call('EXISTS', KEYS[5]) == 1 then return {-1, version} end
+local admitted = tonumber(redis.call('HGET', KEYS[2], 'admitted') or '0')
+local returned = tonumber(redis.call('HGET', KEYS[2], 'returned') or '0')
+if admitted - returned >= (version + tonumber(ARGV[2]) + 1) * tonumber(ARGV[1]) then
+  return {-2, version}
+end
+local episode = redis.call('HINCRBY', KEYS[4], ARGV[3], 1) - 1
+redis.call('HINCRBY', KEYS[2], 'admitted', 1)
+local t = redis.call('TIME')
+redis.call('ZADD', KEYS[3], tonumber(t[1]) + tonumber(t[2]) / 1000000, ARGV[3] .. episode)
+return {episode, version}
+"""
+
+# KEYS: inflight, counters, stream, control
+# ARGV: group id, outcome, return slot (0/1), consumer group, entry ids...
+# Returns 1 if this call ended the group, 0 if it had already ended (the entries are acked either way).
+FINISH_LUA = """
+local ended = redis.call('ZREM', KEYS[1], ARGV[1])
+if ended == 1 then
+  redis.call('HINCRBY', KEYS[2], ARGV[2], 1)
+  if ARGV[3] == '1' then
+    redis.call('HINCRBY', KEYS[2], 'returned', 1)
+    redis.call('XADD', KEYS[4], 'MAXLEN', '~', 1000, '*', 'kind', 'slot', 'group_id', ARGV[1])
+  end
+end
+if #ARGV > 4 then
+  redis.call('XACK', KEYS[3], ARGV[4], unpack(ARGV, 5))
+  redis.call('XDEL', KEYS[3], unpack(ARGV, 5))
+end
+return ended
+"""
+
+
+@dataclass(frozen=True)
+class Admission:
+    episode: int | None
+    """The episode index this group may start, or None when no slot was given."""
+    version: int
+    """The published version at admission: the episode must start with weights at least this new."""
+    paused: bool = False
+
+
+class AsyncAdmissions:
+    """Producer side: take a slot for a group's next episode."""
+
+    def __init__(self, client: redis.asyncio.Redis, keys: Keys, groups_per_batch: int, ratio: int) -> None:
+        self.keys = keys
+        self.groups_per_batch = groups_per_batch
+        self.ratio = ratio
+        self._admit = client.register_script(ADMIT_LUA)
+
+    async def admit(self, group_prefix: str) -> Admission:
+        k = self.keys
+        episode, version = await self._admit(
+            keys=[k.version, k.counters, k.inflight, k.episodes, k.paused],
+            args=[self.groups_per_batch, self.ratio, group_prefix],
+        )
+        if episode < 0:
+            return Admission(None, int(version), paused=episode == -1)
+        return Admission(int(episode), int(version))
+
+
+class Ledger:
+    """Trainer side: end groups, commit steps, read the counters."""
+
+    def __init__(self, client: redis.Redis, keys: Keys) -> None:
+        self.client = client
+        self.keys = keys
+        self._finish = client.register_script(FINISH_LUA)
+
+    def finish(self, group_id: str, outcome: str, entry_ids: Sequence[bytes | str], *,
+               stream: str | None = None, pipe: redis.client.Pipeline | None = None) -> bool | None:
+        """End a group (once) and ack+delete its entries. With `pipe`, queue it and return None."""
+        if outcome not in OUTCOMES:
+            raise ValueError(f"unknown outcome {outcome!r}; expected one of {OUTCOMES}")
+        k = self.keys
+        return_slot = "0" if outcome == "trained" else "1"
+        result = self._finish(
+            keys=[k.inflight, k.counters, stream or k.traj, k.control],
+            args=[group_id, outcome, return_slot, TRAINER_GROUP, *entry_ids],
+            client=pipe or self.client,
+        )
+        return None if pipe is not None else bool(result)
+
+    def commit_step(self, trained: Iterable[tuple[str, Sequence[bytes | str]]], new_version: int,
+                    announcement: dict[str, str | int]) -> None:
+        """Atomically: mark the step's groups trained (ack+delete their entries) and publish the version."""
+        k = self.keys
+        with self.client.pipeline(transaction=True) as pipe:
+            for group_id, entry_ids in trained:
+                self.finish(group_id, "trained", entry_ids, pipe=pipe)
+            pipe.set(k.version, new_version)
+            pipe.xadd(k.weights, {"version": new_version, **announcement})
+            pipe.xadd(k.control, {"kind": "version", "version": new_version}, maxlen=1000, approximate=True)
+            pipe.execute()
+
+    def ack_orphans(self, entry_ids: Sequence[bytes | str], stream: str | None = None) -> None:
+        """Entries of groups that already ended (duplicates, late members): ack, delete, count."""
+        if not entry_ids:
+            return
+        stream = stream or self.keys.traj
+        with self.client.pipeline(transaction=True) as pipe:
+            pipe.xack(stream, TRAINER_GROUP, *entry_ids)
+            pipe.xdel(stream, *entry_ids)
+            pipe.hincrby(self.keys.counters, "orphan_entries", len(entry_ids))
+            pipe.execute()
+
+    def inflight_of(self, group_ids: Sequence[str]) -> list[bool]:
+        if not group_ids:
+            return []
+        scores = self.client.zmscore(self.keys.inflight, list(group_ids))
+        return [s is not None for s in scores]
+
+    def expired(self, timeout_s: float) -> list[str]:
+        """In-flight groups admitted longer than `timeout_s` ago (by the Redis server's clock)."""
+        seconds, micros = self.client.time()
+        cutoff = seconds + micros / 1e6 - timeout_s
+        return [g.decode() for g in self.client.zrangebyscore(self.keys.inflight, "-inf", cutoff)]
+
+    def version(self) -> int:
+        return int(self.client.get(self.keys.version) or 0)
+
+    def counters(self) -> dict[str, int]:
+        """The group counters and the in-flight count, read in one transaction so they reconcile."""
+        return read_counters(self.client, self.keys)
+
+    def register(self, group_ids: Sequence[str]) -> int:
+        """Admit groups outside the cap (replaying a recorded file), so the trainer accepts them.
+
+        Groups already in flight are left alone; returns how many were newly admitted."""
+        seconds, micros = self.client.time()
+        now = seconds + micros / 1e6
+        added = int(self.client.zadd(self.keys.inflight, {g: now for g in group_ids}, nx=True)) if group_ids else 0
+        if added:
+            self.client.hincrby(self.keys.counters, "admitted", added)
+        return added
+
+
+def read_counters(client: redis.Redis, keys: Keys) -> dict[str, int]:
+    with client.pipeline(transaction=True) as pipe:
+        raw, in_flight = pipe.hgetall(keys.counters).zcard(keys.inflight).execute()
+    counts = {k.decode(): int(v) for k, v in raw.items()}
+    counts["in_flight"] = int(in_flight)
+    return counts
+
+
+def reconciles(counts: dict[str, int]) -> bool:
+    """admitted = trained + stale + timed out + failed + in flight."""
+    ended = sum(counts.get(o, 0) for o in OUTCOMES)
+    return counts.get("admitted", 0) == ended + counts.get("in_flight", 0)

@@ -1,0 +1,72 @@
+"""Trajectory files: stream entries written one after another with msgpack, for record and replay.
+
+A file starts with a header map; each record is one stream entry's fields exactly as XADD takes them,
+so a replayed entry is byte-identical to the recorded one.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import IO, Iterator, Mapping
+
+import msgpack
+
+from shared.codec import CodecError
+
+FORMAT = "rollstream-trajectories"
+FORMAT_VERSION = 1
+
+Fields = Mapping[bytes | str, bytes | str | int | float]
+
+
+class Recorder:
+    """Appends entries to a file; a context manager."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fresh = not self.path.exists() or self.path.stat().st_size == 0
+        self._file: IO[bytes] = open(self.path, "ab")
+        self._packer = msgpack.Packer(use_bin_type=True)
+        if fresh:
+            self._file.write(self._packer.pack({"format": FORMAT, "version": FORMAT_VERSION}))
+        self.count = 0
+
+    def write(self, fields: Fields) -> None:
+        record = {_as_bytes(k): v for k, v in fields.items()}
+        self._file.write(self._packer.pack(record))
+        self.count += 1
+
+    def flush(self) -> None:
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self) -> "Recorder":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_records(path: str | os.PathLike[str]) -> Iterator[dict[bytes, bytes | str | int | float]]:
+    with open(path, "rb") as f:
+        unpacker = msgpack.Unpacker(f, raw=False, strict_map_key=False)
+        try:
+            header = next(unpacker)
+        except StopIteration:
+            raise CodecError(f"{path} is empty, not a {FORMAT} file") from None
+        except Exception as e:
+            raise CodecError(f"{path} is not a {FORMAT} file: {e}") from e
+        if not isinstance(header, dict) or header.get("format") != FORMAT:
+            raise CodecError(f"{path} is not a {FORMAT} file (header {header!r:.80})")
+        if header.get("version") != FORMAT_VERSION:
+            raise CodecError(f"{path} has format version {header.get('version')}, expected {FORMAT_VERSION}")
+        for record in unpacker:
+            yield {_as_bytes(k): v for k, v in record.items()}
+
+
+def _as_bytes(key: bytes | str) -> bytes:
+    return key if isinstance(key, bytes) else key.encode()

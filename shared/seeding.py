@@ -1,0 +1,18 @@
+"""Seeds as pure functions of where they are used, so any episode can be replayed on any worker."""
+
+from __future__ import annotations
+
+import numpy as np
+
+_MODE_SALT = {"train": 0, "val": 1}  # validation plays maps that training never sees
+
+
+def episode_seed(exp_seed: int, mode: str, group_index: int, episode: int) -> int:
+    """The seed of the e-th episode of a group: every member of the group plays this same episode."""
+    entropy = [exp_seed, _MODE_SALT[mode], group_index, episode]
+    return int(np.random.SeedSequence(entropy).generate_state(1, np.uint32)[0])
+
+
+def turn_seed(episode_seed_: int, member: int, turn: int) -> int:
+    """Sampling seed for one reply: members of a group differ, replays repeat."""
+    return int(np.random.SeedSequence([episode_seed_, member, turn]).generate_state(1, np.uint32)[0])
