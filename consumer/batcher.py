@@ -54,22 +54,20 @@ class Batcher:
     def next_batch(self, step: int, *, timeout_s: float | None = None) -> Batch | None:
         """Block until G usable complete groups are in hand (None if `timeout_s` passes first)."""
         start = time.monotonic()
-        chosen: list[Group] = []
         while True:
-            while len(chosen) < self.groups_per_batch and (group := self.assembler.take_ready()) is not None:
-                if is_stale(group.version, step, self.ratio):
-                    self._drop(group.group_id, "stale_dropped", f"version {group.version} at step {step}")
-                else:
-                    chosen.append(group)
-            if len(chosen) == self.groups_per_batch:
+            self._drop_stale(step)
+            if len(self.assembler.ready) >= self.groups_per_batch:
+                groups = [self.assembler.take_ready() for _ in range(self.groups_per_batch)]
                 dropped, self._dropped = self._dropped, Counter()
-                return Batch(step, chosen, time.monotonic() - start, dropped)
+                return Batch(step, groups, time.monotonic() - start, dropped)  # type: ignore[arg-type]
             if timeout_s is not None and time.monotonic() - start > timeout_s:
-                for group in reversed(chosen):  # put them back, oldest first again
-                    self.assembler.ready[group.group_id] = group
-                    self.assembler.ready.move_to_end(group.group_id, last=False)
                 return None
             self.poll_once()
+
+    def _drop_stale(self, step: int) -> None:
+        for group in list(self.assembler.ready.values()):
+            if is_stale(group.version, step, self.ratio):
+                self._drop(group.group_id, "stale_dropped", f"version {group.version} at step {step}")
 
     def poll_once(self) -> None:
         """One read of the stream, then the timeout sweep once the backlog has been read."""
@@ -79,16 +77,19 @@ class Batcher:
 
     def route(self, entries: list[Entry]) -> None:
         alive = self.ledger.inflight_of([e.item.group_id for e in entries])
+        ended_here: set[str] = set()  # groups this read ended: later entries of theirs are orphans too
         orphans = []
         now = time.monotonic()
         for entry, in_flight in zip(entries, alive):
             item = entry.item
-            if not in_flight:  # the group already ended: a duplicate, or a late member of a dropped group
+            if not in_flight or item.group_id in ended_here:
+                # The group already ended: a duplicate, or a late member of a dropped group.
                 orphans.append(entry.entry_id)
             elif isinstance(item, GroupDropNotice):
-                outcome = "failed_dropped"
                 ids = [*self.assembler.discard(item.group_id), entry.entry_id]
-                self._end(item.group_id, outcome, ids, f"{item.reason} on worker {item.worker_rank}: {item.detail}")
+                self._end(item.group_id, "failed_dropped", ids,
+                          f"{item.reason} on worker {item.worker_rank}: {item.detail}")
+                ended_here.add(item.group_id)
             else:
                 try:
                     self.assembler.add(entry.entry_id, item, now)

@@ -146,7 +146,9 @@ class RollstreamConfig:
     whiten_advantages: bool = False
     entropy_loss_coef: float = 0.0
 
-    actor_train: WorkerConfig = field(default_factory=WorkerConfig)
+    actor_train: WorkerConfig = field(
+        default_factory=lambda: WorkerConfig(strategy_args=StrategyArgs(strategy_name="stats_only"))
+    )
     actor_infer: WorkerConfig = field(default_factory=WorkerConfig)
     train_env_manager: EnvManagerConfig = field(default_factory=EnvManagerConfig)
     val_env_manager: EnvManagerConfig = field(

@@ -59,7 +59,8 @@ class EmbeddedRedis:
             "--appendonly", "yes" if self.appendonly else "no", "--appendfsync", "always",
             "--maxmemory-policy", "noeviction", "--logfile", "server.log", *self.extra_args,
         ]
-        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        with open(self.data_dir / "stderr.log", "wb") as stderr:
+            self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=stderr)
         self._wait_ready(timeout_s)
         return self
 
@@ -69,16 +70,16 @@ class EmbeddedRedis:
         assert self.process is not None
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                err = self.process.stderr.read().decode() if self.process.stderr else ""
-                log = self.data_dir / "server.log"
-                tail = log.read_text()[-2000:] if log.exists() else ""
-                raise RuntimeError(f"embedded Redis exited with {self.process.returncode}: {err}{tail}")
+                tails = [(self.data_dir / name).read_text()[-2000:] for name in ("stderr.log", "server.log")
+                         if (self.data_dir / name).exists()]
+                raise RuntimeError(f"embedded Redis exited with {self.process.returncode}: {' '.join(tails)}")
             try:
                 if client.ping():
-                    client.close()
                     return
             except redis.ConnectionError:
                 time.sleep(0.05)
+            finally:
+                client.close()
         self.stop()
         raise RuntimeError(f"embedded Redis did not answer on port {self.port} within {timeout_s} s")
 

@@ -1,7 +1,7 @@
 """Trajectory files: stream entries written one after another with msgpack, for record and replay.
 
-A file starts with a header map; each record is one stream entry's fields exactly as XADD takes them,
-so a replayed entry is byte-identical to the recorded one.
+A file starts with a header map; each record is one stream entry's fields as XADD takes them, so a
+replayed entry holds the same payload bytes as the recorded one.
 """
 
 from __future__ import annotations

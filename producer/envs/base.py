@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import string
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar
+from typing import Any
 
 import gymnasium as gym
 import numpy as np
@@ -31,7 +31,7 @@ class TextEnv(gym.Env[str, str], ABC):
     not terminal. After `max_actions_per_traj` turns (valid or not) the episode is truncated.
     """
 
-    metadata: ClassVar[dict[str, Any]] = {"render_modes": ["rgb_array"], "render_fps": 2}
+    metadata = {"render_modes": ["rgb_array"], "render_fps": 2}
     action_names: tuple[str, ...] = ()
 
     def __init__(self, *, max_actions_per_traj: int = 10, format_penalty: float = -0.1) -> None:
@@ -122,5 +122,6 @@ class TextEnv(gym.Env[str, str], ABC):
         }
         return self.render_text(), float(reward), terminated, truncated, info
 
-    def render(self) -> np.ndarray:  # type: ignore[override]
+    def render(self) -> np.ndarray:
+        """gymnasium's render API: the only render mode is rgb_array."""
         return self.render_rgb()

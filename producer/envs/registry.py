@@ -9,6 +9,7 @@ The constructor is called as `Class(**env_config, max_actions_per_traj=...)`.
 
 from __future__ import annotations
 
+import copy
 import importlib
 import inspect
 from collections.abc import Mapping
@@ -52,13 +53,9 @@ def known_env_types() -> list[str]:
 def default_custom_envs() -> dict[str, CustomEnvConfig]:
     """Fresh `custom_envs` entries for the default tags (other fields at their CustomEnvConfig defaults)."""
     return {
-        tag: CustomEnvConfig(env_type=env_type, env_config={k: _copy(v) for k, v in env_config.items()})
+        tag: CustomEnvConfig(env_type=env_type, env_config=copy.deepcopy(env_config))
         for tag, (env_type, env_config) in PRESETS.items()
     }
-
-
-def _copy(value: Any) -> Any:
-    return dict(value) if isinstance(value, dict) else list(value) if isinstance(value, list) else value
 
 
 def resolve_env_type(env_type: str) -> type[TextEnv]:

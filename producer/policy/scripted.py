@@ -5,6 +5,8 @@ Each reply is a pure function of the request's seed, so a replayed episode repla
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 
 from producer.envs.text import format_reply
@@ -12,9 +14,11 @@ from producer.policy.base import GenerateRequest, Generation
 
 
 class ScriptedPolicy:
-    def __init__(self, invalid_reply_rate: float = 0.0) -> None:
+    def __init__(self, invalid_reply_rate: float = 0.0, delay_s: float = 0.0) -> None:
         self.invalid_reply_rate = invalid_reply_rate
         """Share of replies that are deliberately garbage, to exercise the format penalty."""
+        self.delay_s = delay_s
+        """Mean seconds per reply (uniform in [0, 2 * delay_s]), to stand in for generation time."""
         self._version = 0
 
     @property
@@ -25,6 +29,8 @@ class ScriptedPolicy:
         if not request.action_names:
             raise ValueError("the scripted policy needs the env's action_names in the request")
         rng = np.random.default_rng(request.sampling.seed)
+        if self.delay_s:
+            await asyncio.sleep(2 * self.delay_s * rng.random())
         if rng.random() < self.invalid_reply_rate:
             return Generation(text="I am not sure what to do.", version=self._version)
         action = request.action_names[int(rng.integers(len(request.action_names)))]

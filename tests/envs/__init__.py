@@ -1,0 +1,1 @@
+"""Tests of producer.envs: text parsing, the games, the registry and rendering."""

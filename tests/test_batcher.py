@@ -1,0 +1,112 @@
+"""The trainer's reading side against a real Redis: restarts, duplicates, garbage, drops and timeouts."""
+
+from pathlib import Path
+
+import redis
+
+from consumer.batcher import Batcher
+from shared.codec import encode_drop, encode_trajectory
+from shared.keys import Keys
+from shared.ledger import Ledger, reconciles
+from shared.schema import GroupDropNotice
+from tests.conftest import scripted_config
+from tests.factories import make_traj
+
+GROUP_SIZE = 2
+
+
+def _cfg(tmp_path: Path, *extra: str):
+    # G = 2 groups of 2 per batch
+    return scripted_config(tmp_path, "exp_name=b", "rollout_batch_size=4", "train_env_manager.group_size=2",
+                           "train_env_manager.max_env_num_per_worker=4", *extra)
+
+
+def _write_groups(client: redis.Redis, groups: list[int], *, version: int = 0, members=range(GROUP_SIZE)) -> None:
+    keys = Keys.for_exp("b")
+    Ledger(client, keys).register([make_traj(g, 0, 0).group_id for g in groups])
+    for g in groups:
+        for m in members:
+            client.xadd(keys.traj, encode_trajectory(make_traj(g, 0, m, version=version)))
+
+
+def test_restart_rereads_pending_so_nothing_is_lost_or_used_twice(tmp_path, redis_client) -> None:
+    cfg = _cfg(tmp_path)
+    _write_groups(redis_client, [0, 1, 2, 3])
+    crashed = Batcher(redis_client, cfg, consumer="trainer-0")
+    first = crashed.next_batch(0, timeout_s=5)  # read and assembled, then "crash" before commit
+    assert first is not None
+    assert redis_client.xpending(Keys.for_exp("b").traj, "trainer")["pending"] == 8
+
+    restarted = Batcher(redis_client, cfg, consumer="trainer-0")
+    again = restarted.next_batch(0, timeout_s=5)
+    assert [g.group_id for g in again.groups] == [g.group_id for g in first.groups]
+    restarted.commit(again, 1, {"uri": "", "digest": ""})
+    rest = restarted.next_batch(1, timeout_s=5)
+    restarted.commit(rest, 2, {"uri": "", "digest": ""})
+    used = [g.group_id for g in again.groups + rest.groups]
+    assert sorted(used) == sorted({*used}) and len(used) == 4
+    assert redis_client.xlen(Keys.for_exp("b").traj) == 0
+    assert restarted.ledger.counters() == {"admitted": 4, "trained": 4, "in_flight": 0}
+
+
+def test_duplicated_xadds_are_dropped_by_trajectory_id(tmp_path, redis_client) -> None:
+    cfg = _cfg(tmp_path)
+    _write_groups(redis_client, [0, 1])
+    _write_groups(redis_client, [0], members=[1])  # a client retry wrote member 1 twice
+    batcher = Batcher(redis_client, cfg)
+    batch = batcher.next_batch(0, timeout_s=5)
+    assert sorted(t.traj_id for t in batch.trajectories) == sorted({t.traj_id for t in batch.trajectories})
+    batcher.commit(batch, 1, {"uri": "", "digest": ""})
+    assert redis_client.xlen(Keys.for_exp("b").traj) == 0  # the copy was acked with its group
+
+    redis_client.xadd(Keys.for_exp("b").traj, encode_trajectory(make_traj(0, 0, 0)))  # a late copy
+    assert batcher.next_batch(1, timeout_s=0.5) is None
+    assert batcher.ledger.counters()["orphan_entries"] == 1
+    assert redis_client.xlen(Keys.for_exp("b").traj) == 0
+
+
+def test_undecodable_entries_go_to_the_dead_letter_stream(tmp_path, redis_client) -> None:
+    cfg = _cfg(tmp_path)
+    keys = Keys.for_exp("b")
+    redis_client.xadd(keys.traj, {"payload": b"\x93garbage"})
+    redis_client.xadd(keys.traj, {"hello": "world"})
+    _write_groups(redis_client, [0, 1])
+    batch = Batcher(redis_client, cfg).next_batch(0, timeout_s=5)
+    assert len(batch.groups) == 2
+    dead = redis_client.xrange(keys.dead)
+    assert len(dead) == 2
+    assert b"not valid msgpack" in dead[0][1][b"reason"] and dead[0][1][b"orig:payload"] == b"\x93garbage"
+    assert b"no binary 'payload'" in dead[1][1][b"reason"]
+
+
+def test_drop_notice_ends_the_group_and_returns_its_slot(tmp_path, redis_client) -> None:
+    cfg = _cfg(tmp_path)
+    keys = Keys.for_exp("b")
+    _write_groups(redis_client, [0], members=[0])
+    redis_client.xadd(keys.traj, encode_drop(GroupDropNotice(make_traj(0).group_id, "error", "boom", 0)))
+    _write_groups(redis_client, [0], members=[1])  # a member that finished after the failure
+    batcher = Batcher(redis_client, cfg)
+    assert batcher.next_batch(0, timeout_s=0.5) is None
+    counts = batcher.ledger.counters()
+    assert counts["failed_dropped"] == 1 and counts["returned"] == 1 and reconciles(counts)
+    assert redis_client.xlen(keys.traj) == 0
+
+
+def test_incomplete_groups_time_out_and_complete_ones_do_not(tmp_path, redis_client) -> None:
+    cfg = _cfg(tmp_path, "group_timeout_s=0.2")
+    _write_groups(redis_client, [0], members=[0])  # its producer died
+    _write_groups(redis_client, [1])
+    batcher = Batcher(redis_client, cfg)
+    assert batcher.next_batch(0, timeout_s=1.0) is None
+    counts = batcher.ledger.counters()
+    assert counts["timeout_dropped"] == 1 and counts["in_flight"] == 1
+    assert batcher.assembler.is_complete(make_traj(1).group_id)
+
+
+def test_stale_groups_are_dropped_and_counted(tmp_path, redis_client) -> None:
+    cfg = _cfg(tmp_path, "async_generation_ratio=1")
+    _write_groups(redis_client, [0, 1], version=0)
+    _write_groups(redis_client, [2, 3], version=2)
+    batch = Batcher(redis_client, cfg).next_batch(3, timeout_s=5)  # step 3, r=1: versions >= 2 only
+    assert {g.group_id for g in batch.groups} == {make_traj(2).group_id, make_traj(3).group_id}
+    assert batch.dropped["stale_dropped"] == 2

@@ -1,0 +1,83 @@
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from shared.codec import CodecError, decode_entry, encode_drop, encode_trajectory
+from shared.schema import GroupDropNotice, Trajectory, parse_group_id
+from tests.factories import make_traj
+
+
+def _as_redis_returns(fields: dict) -> dict[bytes, bytes]:
+    """What XRANGE hands back: bytes keys and values."""
+    return {k.encode(): v if isinstance(v, bytes) else str(v).encode() for k, v in fields.items()}
+
+
+def test_trajectory_round_trip_is_exact() -> None:
+    traj = make_traj(3, 7, 2, version=5, score=0.5)
+    back = decode_entry(_as_redis_returns(encode_trajectory(traj)))
+    assert isinstance(back, Trajectory)
+    for name in ("traj_id", "group_id", "tag", "episode", "member", "seed", "score", "success", "turns"):
+        assert getattr(back, name) == getattr(traj, name)
+    for name in ("input_ids", "response_mask", "logprobs"):
+        assert getattr(back, name).dtype == getattr(traj, name).dtype
+        np.testing.assert_array_equal(getattr(back, name), getattr(traj, name))
+    assert back.version == 5
+
+
+def test_readable_fields_sit_beside_the_payload() -> None:
+    fields = encode_trajectory(make_traj(1, 2, 0, version=3, score=1.0))
+    assert fields["group_id"] == "train/FrozenLake/g1/e2"
+    assert (fields["version"], fields["tag"], fields["score"], fields["tokens"]) == (3, "FrozenLake", 1.0, 6)
+    assert parse_group_id(fields["group_id"]) == ("train", "FrozenLake", 1, 2)
+
+
+def test_drop_notice_round_trip() -> None:
+    notice = GroupDropNotice("train/FrozenLake/g1/e2", "error", "ValueError: boom", 3)
+    assert decode_entry(_as_redis_returns(encode_drop(notice))) == notice
+
+
+@pytest.mark.parametrize(
+    ("payload", "message"),
+    [
+        (None, "no binary 'payload'"),
+        (b"\xc1", "not valid msgpack"),
+        (msgpack.packb([1, 2]), "expected a map"),
+        (msgpack.packb({"schema": 99, "kind": "traj", "body": {}}), "schema version 99"),
+        (msgpack.packb({"schema": 1, "kind": "what", "body": {}}), "unknown entry kind"),
+        (msgpack.packb({"schema": 1, "kind": "traj", "body": {"traj_id": "x"}}), "traj payload lacks"),
+        (msgpack.packb({"schema": 1, "kind": "traj", "body": []}), "no 'body' map"),
+    ],
+)
+def test_garbage_raises_codec_error_saying_what(payload: bytes | None, message: str) -> None:
+    fields = {} if payload is None else {b"payload": payload}
+    with pytest.raises(CodecError, match=message):
+        decode_entry(fields)
+
+
+def test_object_arrays_are_refused() -> None:
+    fields = encode_trajectory(make_traj())
+    body = msgpack.unpackb(fields["payload"], raw=False, ext_hook=lambda c, d: msgpack.ExtType(c, d))
+    header = msgpack.packb(["|O", [1]])
+    body["body"]["input_ids"] = msgpack.ExtType(1, header + b"\x00" * 8)
+    with pytest.raises(CodecError, match="object arrays"):
+        decode_entry({b"payload": msgpack.packb(body)})
+
+
+@given(st.binary(max_size=512))
+def test_random_bytes_never_raise_anything_but_codec_error(data: bytes) -> None:
+    try:
+        decode_entry({b"payload": data})
+    except CodecError:
+        pass
+
+
+@given(st.integers(0, 2**31 - 1), st.integers(0, 255))
+def test_flipping_a_byte_of_a_real_payload_is_caught_or_harmless(position: int, value: int) -> None:
+    payload = bytearray(encode_trajectory(make_traj())["payload"])
+    payload[position % len(payload)] = value
+    try:
+        decode_entry({b"payload": bytes(payload)})
+    except CodecError:
+        pass

@@ -1,0 +1,57 @@
+from pathlib import Path
+
+import pytest
+
+from shared.config import ConfigError, load_config
+from tests.conftest import REPO
+
+CONFIG = REPO / "configs" / "frozen_lake_scripted.yaml"
+
+
+def test_shipped_configs_load() -> None:
+    for path in (REPO / "configs").glob("*.yaml"):
+        load_config(path)
+
+
+def test_overrides_apply_and_interpolate(tmp_path: Path) -> None:
+    cfg = load_config(CONFIG, ["exp_name=abc", "rollout_batch_size=16", "train_env_manager.num_groups_partition=[4,4]"])
+    assert cfg.exp_name == "abc"
+    assert cfg.output_dir == "./output/abc"
+    assert cfg.groups_per_batch == 2
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("async_generation_ratio=-1", "async_generation_ratio=-1: must be an integer >= 0"),
+        ("async_generation_ratio=0.5", "'async_generation_ratio'"),
+        ("rollout_batch_size=30", "rollout_batch_size=30 is not a multiple of train_env_manager.group_size=8"),
+        ("train_env_manager.num_groups_partition=[5,2]", "sums to 7 but train_env_manager.num_env_groups=8"),
+        ("train_env_manager.num_groups_partition=[8]", "has 1 entries but train_env_manager.tags has 2"),
+        ("train_env_manager.tags=[FrozenLake,Nope]", "'Nope', which custom_envs does not define; known tags"),
+        ("train_env_manager.max_env_num_per_worker=12", "max_env_num_per_worker=12 is not a multiple of"),
+        ("actor_infer.strategy_args.strategy_name=megatron", "must be one of scripted, hf_infer, vllm"),
+        ("redis.block_ms=60000", "must stay below redis.socket_timeout_s"),
+        ("max_steps=zero", "'max_steps'"),
+        ("no_such_key=1", "no_such_key"),
+    ],
+)
+def test_bad_values_name_key_value_and_what_is_valid(override: str, message: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        load_config(CONFIG, [override])
+    assert message in str(e.value)
+
+
+def test_uneven_split_without_partition_suggests_one() -> None:
+    with pytest.raises(ConfigError, match=r"does not split evenly over 2 tags \(1 left over\).*\[5, 4\]"):
+        load_config(CONFIG, ["train_env_manager.num_groups_partition=null", "train_env_manager.num_env_groups=9"])
+
+
+def test_missing_file_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_validation_group_size_must_be_one() -> None:
+    with pytest.raises(ConfigError, match="val_env_manager.group_size=2"):
+        load_config(CONFIG, ["eval_steps=5", "val_env_manager.group_size=2", "val_env_manager.tags=[FrozenLake]"])

@@ -1,0 +1,112 @@
+"""The whole pipeline as a user runs it: `rollstream run` with an embedded Redis, env-workers and the trainer."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import psutil
+import pytest
+import redis
+
+from consumer.train import run_trainer
+from shared.codec import decode_entry
+from shared.keys import Keys
+from shared.layout import plan_layout
+from shared.ledger import reconciles
+from shared.recording import read_records
+from shared.schema import parse_group_id
+from tests.conftest import REPO, scripted_config
+
+CONFIG = REPO / "configs" / "frozen_lake_scripted.yaml"
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("ROLLSTREAM_REDIS_URL", None)  # the run must start its own server
+    return env
+
+
+def test_run_trains_on_complete_groups_that_match_the_layout(tmp_path: Path) -> None:
+    record = tmp_path / "trained.msgpack"
+    overrides = [f"output_dir={tmp_path / 'out'}", "max_steps=6", f"record_to={record}", "wandb_mode=offline",
+                 "train_env_manager.max_env_num_per_worker=32"]  # 8 groups of 8 on 2 workers
+    proc = subprocess.run([sys.executable, "-m", "shared.cli", "run", str(CONFIG), *overrides], env=_env(),
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "trainer done: version 6" in proc.stderr
+
+    cfg = scripted_config(tmp_path, *overrides)
+    layout = plan_layout(cfg.train_env_manager, cfg.custom_envs, "train_env_manager")
+    assert layout.num_workers == 2
+    tag_of = {g.group_index: g.tag for g in layout.groups}
+    trajs = [decode_entry(r) for r in read_records(record)]
+    assert len(trajs) == 6 * cfg.rollout_batch_size
+    by_group = Counter(t.group_id for t in trajs)
+    assert set(by_group.values()) == {cfg.train_env_manager.group_size}  # every trained group is complete
+    members = {(t.group_id, t.member) for t in trajs}
+    assert len(members) == len(trajs)  # and nothing was trained twice
+    for t in trajs:
+        mode, tag, group_index, episode = parse_group_id(t.group_id)
+        assert (mode, tag, t.tag) == ("train", tag_of[group_index], tag_of[group_index])
+        assert t.worker_rank == group_index % layout.num_workers
+
+    out = tmp_path / "out"
+    assert (out / "plots" / "learning_curves.png").stat().st_size > 10_000
+    assert list((out / "wandb").glob("offline-run-*"))
+    assert {p.name for p in (out / "logs").iterdir()} == {"producer-0.log", "producer-1.log"}
+    assert not _leftover_processes(out)
+
+
+def _leftover_processes(marker: Path) -> list[psutil.Process]:
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        if any(str(marker) in part for part in p.info["cmdline"] or []):
+            found.append(p)
+    return found
+
+
+def test_a_worker_killed_mid_episode_never_puts_a_partial_group_in_a_batch(tmp_path, redis_server,
+                                                                          redis_client: redis.Redis) -> None:
+    cfg = scripted_config(tmp_path, "exp_name=kill", "max_steps=8", "group_timeout_s=2",
+                          f"record_to={tmp_path / 'trained.msgpack'}", "async_generation_ratio=1",
+                          "train_env_manager.max_env_num_per_worker=8",  # 8 groups of 8 on 8 workers
+                          "actor_infer.strategy_args.strategy_config.delay_s=0.02")
+    config_path = tmp_path / "config.yaml"
+    from shared.config import dump_config
+
+    dump_config(cfg, config_path)
+    env = _env() | {"ROLLSTREAM_REDIS_URL": redis_server.url}
+    workers = [subprocess.Popen([sys.executable, "-m", "shared.cli", "producer", str(config_path),
+                                 "--worker-rank", str(rank)], env=env, stderr=subprocess.DEVNULL)
+               for rank in range(8)]
+    try:
+        _wait_for_entries(redis_client, Keys.for_exp("kill"), 20)
+        victim = workers[0]
+        victim.send_signal(signal.SIGKILL)  # mid-episode: its group's other members never arrive
+        victim.wait()
+        summary = run_trainer(cfg, redis_client, progress=False)
+    finally:
+        for w in workers[1:]:
+            w.terminate()
+        for w in workers:
+            w.wait(timeout=30)
+    assert summary.last_version == 8
+    trajs = [decode_entry(r) for r in read_records(tmp_path / "trained.msgpack")]
+    assert set(Counter(t.group_id for t in trajs).values()) == {8}
+    counts = summary.counters
+    assert counts["timeout_dropped"] >= 1, counts  # the victim's unfinished group, recovered by the timeout
+    assert reconciles(counts)
+
+
+def _wait_for_entries(client: redis.Redis, keys: Keys, n: int, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while client.xlen(keys.traj) < n:
+        assert time.monotonic() < deadline, "producers wrote nothing"
+        time.sleep(0.05)
