@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from producer.envs.base import TextEnv
 from producer.envs.render import save_frame
@@ -40,7 +41,7 @@ class Sampling:
 
 
 async def play_episode(env: TextEnv, policy: Policy, spec: EpisodeSpec, sampling: Sampling,
-                       render_dir: Path | None = None) -> Trajectory:
+                       render_dir: Path | None = None, on_turn: Callable[[Turn], None] | None = None) -> Trajectory:
     observation, _ = env.reset(seed=spec.seed)
     messages = [{"role": "system", "content": env.system_prompt()}]
     turns: list[Turn] = []
@@ -61,6 +62,8 @@ async def play_episode(env: TextEnv, policy: Policy, spec: EpisodeSpec, sampling
         turns.append(Turn(generation.version, observation, generation.text, info["action"],
                           bool(info["action_is_valid"]), float(reward), finish_reason=generation.finish_reason))
         frames.save(t + 1)
+        if on_turn is not None:
+            on_turn(turns[-1])
         score += reward
         success = bool(info["success"])
         observation = next_observation

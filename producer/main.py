@@ -14,14 +14,14 @@ from shared.redis_io import connect_async
 log = logging.getLogger(__name__)
 
 
-def run_producer(cfg: RollstreamConfig, rank: int, url: str, *, max_episodes: int | None = None) -> None:
-    asyncio.run(_main(cfg, rank, url, max_episodes))
+def run_producer(cfg: RollstreamConfig, rank: int, url: str, *, episodes_per_group: int | None = None) -> None:
+    asyncio.run(_main(cfg, rank, url, episodes_per_group))
 
 
-async def _main(cfg: RollstreamConfig, rank: int, url: str, max_episodes: int | None) -> None:
+async def _main(cfg: RollstreamConfig, rank: int, url: str, episodes_per_group: int | None) -> None:
     client = await connect_async(url, cfg.redis)
     policy = make_policy(cfg)
-    worker = EnvWorker(cfg, rank, client, policy, max_episodes=max_episodes)
+    worker = EnvWorker(cfg, rank, client, policy, episodes_per_group=episodes_per_group)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, worker.request_stop)

@@ -14,7 +14,6 @@ import socket
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
-from typing import Iterable
 from pathlib import Path
 
 import redis.asyncio
@@ -46,7 +45,7 @@ class WorkerStats:
 
 class EnvWorker:
     def __init__(self, cfg: RollstreamConfig, rank: int, client: redis.asyncio.Redis, policy: Policy,
-                 *, max_episodes: int | None = None) -> None:
+                 *, episodes_per_group: int | None = None) -> None:
         self.cfg = cfg
         self.rank = rank
         self.client = client
@@ -54,14 +53,13 @@ class EnvWorker:
         self.keys = Keys.for_exp(cfg.exp_name)
         self.layout = plan_layout(cfg.train_env_manager, cfg.custom_envs, "train_env_manager")
         self.admissions = AsyncAdmissions(client, self.keys, cfg.groups_per_batch, cfg.async_generation_ratio)
-        self.max_episodes = max_episodes
-        """Burst mode for tests: stop admitting after this many episodes in this worker."""
+        self.episodes_per_group = episodes_per_group
+        """Burst mode: each group plays this many episodes, then the worker returns."""
         self.stats = WorkerStats()
         self.stop = asyncio.Event()
         self.notified = asyncio.Event()
         """Set whenever the control or weights stream moves: a slot may be free or a version published."""
         self.version_loaded = asyncio.Condition()
-        self._admitted = 0
         render = cfg.render_save_dir
         self.render_dir = Path(render) if render else None
 
@@ -69,7 +67,7 @@ class EnvWorker:
 
     async def run(self) -> None:
         """Play until stopped (SIGTERM: in-flight episodes are abandoned and reported) or, in burst mode,
-        until max_episodes episodes were admitted and played."""
+        until every group has played episodes_per_group episodes."""
         groups = [GroupRunner(self, spec) for spec in self.layout.groups_of(self.rank)]
         log.info("worker %d: %d groups, %d envs", self.rank, len(groups), len(groups) * self.layout.group_size)
         stream_ids = await self._load_published_version()
@@ -100,12 +98,9 @@ class EnvWorker:
     async def wait_for_slot(self, prefix: str) -> Admission | None:
         """Block until the group may start an episode; None once the worker is stopping."""
         while not self.stop.is_set():
-            if self.max_episodes is not None and self._admitted >= self.max_episodes:
-                break
             self.notified.clear()
             admission = await self.admissions.admit(prefix)
             if admission.episode is not None:
-                self._admitted += 1
                 await self._ensure_version(admission.version)
                 return admission
             # No slot: wait for a notification instead of polling Redis. The timeout only bounds the
@@ -183,14 +178,18 @@ class GroupRunner:
         self.env_cfg = worker.cfg.custom_envs[spec.tag]
         self.prefix = group_prefix("train", spec.tag, spec.group_index)
         self.admitted: dict[int, int] = {}
-        """k -> episode index of this group's k-th episode, until every member has written it."""
-        self.written: dict[int, set[int]] = defaultdict(set)
-        """k -> members whose trajectory for it is in the stream (all of them once the group is reported failed)."""
+        """k -> episode index of this group's k-th episode, until every member is done with it."""
+        self.done: dict[int, set[int]] = defaultdict(set)
+        """k -> members done with it: their trajectory is in the stream, or they skipped a failed episode."""
+        self.failed: set[int] = set()
+        """k's already reported to the trainer as failed; the members still to play them skip them."""
         self.num_admitted = 0
         self.lock = asyncio.Lock()
 
     async def next_episode(self, k: int) -> int | None:
         """The k-th episode of this group (k counts per member): admitted by whichever member needs it first."""
+        if self.worker.episodes_per_group is not None and k >= self.worker.episodes_per_group:
+            return None
         async with self.lock:
             if k == self.num_admitted:
                 admission = await self.worker.wait_for_slot(self.prefix)
@@ -200,36 +199,40 @@ class GroupRunner:
                 self.num_admitted += 1
             return self.admitted[k]
 
-    def _mark_written(self, k: int, members: Iterable[int]) -> None:
-        self.written[k].update(members)
-        if len(self.written[k]) == self.worker.layout.group_size:
-            del self.written[k], self.admitted[k]
-
     async def run_member(self, member: int) -> None:
         env = self._make_env()
         k = 0
-        while True:
-            episode = await self.next_episode(k)
-            if episode is None:
-                return
+        while (episode := await self.next_episode(k)) is not None:
+            if k not in self.failed and not await self._play(env, k, episode, member):
+                env = self._make_env()  # the failed instance may be in any state
+            self._mark_done(k, member)
             k += 1
-            spec = EpisodeSpec("train", self.spec.tag, self.spec.group_index, episode, member,
-                               episode_seed(self.worker.cfg.seed, "train", self.spec.group_index, episode),
-                               self.worker.rank)
-            try:
-                traj = await play_episode(env, self.worker.policy, spec, self._sampling(), self.worker.render_dir)
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # an env (or a user's env) that raises must not take the worker down
-                log.exception("worker %d: %s failed in episode %s", self.worker.rank, spec.group_id, episode)
-                self.worker.stats.errors[self.spec.tag] += 1
-                await self._report_failed(k - 1, spec.group_id, f"{type(e).__name__}: {e}")
-                env = self._make_env()  # the old instance may be in any state
-                continue
+
+    async def _play(self, env: TextEnv, k: int, episode: int, member: int) -> bool:
+        """Play one episode and publish it; False if the env raised (the group is then reported failed)."""
+        spec = EpisodeSpec("train", self.spec.tag, self.spec.group_index, episode, member,
+                           episode_seed(self.worker.cfg.seed, "train", self.spec.group_index, episode),
+                           self.worker.rank)
+        try:
+            traj = await play_episode(env, self.worker.policy, spec, self._sampling(), self.worker.render_dir)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # an env (or a user's env) that raises must not take the worker down
+            log.exception("worker %d: %s failed", self.worker.rank, spec.group_id)
+            self.worker.stats.errors[self.spec.tag] += 1
+            await self._report_failed(k, spec.group_id, f"{type(e).__name__}: {e}")
+            return False
+        if k not in self.failed:  # a member that failed meanwhile already ended the group
             await self.worker.publish(encode_trajectory(traj))
-            self._mark_written(k - 1, [member])
             self.worker.stats.episodes[self.spec.tag] += 1
             self.worker.stats.successes[self.spec.tag] += traj.success
+        return True
+
+    def _mark_done(self, k: int, member: int) -> None:
+        self.done[k].add(member)
+        if len(self.done[k]) == self.worker.layout.group_size:
+            del self.done[k], self.admitted[k]
+            self.failed.discard(k)
 
     def _make_env(self) -> TextEnv:
         return make_env(self.spec.tag, self.worker.cfg.custom_envs)
@@ -239,13 +242,16 @@ class GroupRunner:
         return Sampling(self.env_cfg.max_tokens_per_step, gen.temperature, gen.top_p, gen.top_k)
 
     async def _report_failed(self, k: int, group_id: str, detail: str) -> None:
-        notice = GroupDropNotice(group_id, "error", detail[:500], self.worker.rank)
-        await self.worker.publish(encode_drop(notice))
-        self._mark_written(k, range(self.worker.layout.group_size))
+        if k in self.failed:
+            return
+        self.failed.add(k)
+        await self.worker.publish(encode_drop(GroupDropNotice(group_id, "error", detail[:500], self.worker.rank)))
 
     async def drop_unfinished(self, reason: str) -> None:
         """On shutdown: tell the trainer which admitted episodes will never complete, so their slots return."""
-        for episode in list(self.admitted.values()):
+        for k, episode in list(self.admitted.items()):
+            if k in self.failed:
+                continue
             group_id = f"{self.prefix}{episode}"
             try:
                 await self.worker.publish(encode_drop(GroupDropNotice(group_id, reason, "", self.worker.rank)))

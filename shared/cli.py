@@ -20,7 +20,12 @@ EXIT_USAGE = 2
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    # key=value overrides may also follow the options (argparse stops a positional list at the first option)
+    if extra and hasattr(args, "overrides") and all("=" in a and not a.startswith("-") for a in extra):
+        args.overrides = [*(args.overrides or []), *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname).1s %(name)s: %(message)s", datefmt="%H:%M:%S")
     try:
@@ -51,7 +56,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--fresh", action="store_true", help="delete the experiment's keys in Redis first")
     p = command("producer", _producer, "run one env-worker process")
     p.add_argument("--worker-rank", type=int, required=True)
-    p.add_argument("--max-episodes", type=int, default=None, help="burst mode: stop after this many episodes")
+    p.add_argument("--episodes-per-group", type=int, default=None,
+                   help="burst mode: each group plays this many episodes, then the worker exits")
     p = command("trainer", _trainer, "run the trainer")
     p.add_argument("--consumer", default="trainer-0", help="stable consumer name in the stream's group")
     p = command("config", _config_show, "print the resolved config and the env layout (config show ...)",
@@ -67,6 +73,11 @@ def _parser() -> argparse.ArgumentParser:
     _redis_target(p)
     p.add_argument("--out", required=True, help="file to write")
     p.add_argument("--limit", type=int, default=None)
+    p = command("debug-env", _debug_env, "play one env's episode in this process, showing every turn")
+    p.add_argument("--tag", required=True)
+    p.add_argument("--policy", choices=["scripted", "human", "llm"], default="scripted",
+                   help="llm = the config's actor_infer backend")
+    p.add_argument("--seed", type=int, default=0)
     p = command("replay", _replay, "push a recorded file into the trajectory stream", config="none")
     p.add_argument("file")
     p.add_argument("config", nargs="?")
@@ -102,7 +113,7 @@ def _producer(args: argparse.Namespace) -> int:
     from producer.main import run_producer
 
     cfg = _load(args)
-    run_producer(cfg, args.worker_rank, _require_url(cfg), max_episodes=args.max_episodes)
+    run_producer(cfg, args.worker_rank, _require_url(cfg), episodes_per_group=args.episodes_per_group)
     return 0
 
 
@@ -118,6 +129,16 @@ def _trainer(args: argparse.Namespace) -> int:
     log.info("trainer done: version %d, groups %s%s", summary.last_version, summary.counters,
              f", curves in {summary.plot}" if summary.plot else "")
     return 0 if summary.last_version >= cfg.max_steps or stop.is_set() else 1
+
+
+def _debug_env(args: argparse.Namespace) -> int:
+    from producer.debug import debug_env
+
+    cfg = _load(args)
+    if args.tag not in cfg.custom_envs:
+        raise ConfigError(f"--tag {args.tag!r} is not in custom_envs; known tags: {', '.join(cfg.custom_envs)}")
+    debug_env(cfg, args.tag, args.policy, args.seed)
+    return 0
 
 
 def _config_show(args: argparse.Namespace) -> int:

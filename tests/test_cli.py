@@ -57,3 +57,21 @@ def test_status_shows_backlog_and_counters(redis_server, redis_client) -> None:
     assert lines["groups in flight"].strip() == "4"
     assert lines["counters reconcile"].strip() == "yes"
     assert "no live env-workers" in proc.stdout
+
+
+def test_debug_env_shows_prompts_replies_actions_and_rewards() -> None:
+    proc = _cli("debug-env", CONFIG, "--tag", "SimpleSokoban", "--seed", "3")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "--- system ---" in out and "Sokoban: push every box onto a target." in out
+    assert out.count("--- user ---") == out.count("--- reply ---") == out.count("--- env ---") >= 1
+    assert "reward=-0.10" in out and "=== " in out.splitlines()[-1]
+
+
+def test_debug_env_human_policy_reads_replies_from_stdin() -> None:
+    proc = subprocess.run([sys.executable, "-m", "shared.cli", "debug-env", CONFIG, "--tag", "FrozenLake",
+                           "--policy", "human", "custom_envs.FrozenLake.max_actions_per_traj=2"],
+                          input="<answer>right</answer>\nnonsense\n", capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "action=Right valid=True" in proc.stdout
+    assert "action=None valid=False reward=-0.10" in proc.stdout or "terminated" in proc.stdout

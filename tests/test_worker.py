@@ -1,0 +1,114 @@
+"""Env-workers against a real Redis: isolation of failing envs, worker-count consistency, rendered frames."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import redis
+import redis.asyncio
+from PIL import Image
+
+from consumer.batcher import Batcher
+from producer.envs.frozen_lake import FrozenLakeEnv
+from producer.policy.scripted import ScriptedPolicy
+from producer.worker import EnvWorker
+from shared.codec import decode_entry
+from shared.config import RollstreamConfig
+from shared.keys import Keys
+from shared.ledger import reconciles
+from shared.layout import plan_layout
+from shared.schema import GroupDropNotice, Trajectory
+from tests.conftest import scripted_config
+
+
+class ExplodingLake(FrozenLakeEnv):
+    """FrozenLake whose episodes with an even seed raise in step (a user's env with a bug)."""
+
+    def _play(self, action: str) -> tuple[float, bool]:
+        if self._seed % 2 == 0:
+            raise RuntimeError("the env blew up")
+        return super()._play(action)
+
+    def _new_episode(self, seed: int) -> None:
+        self._seed = seed
+        super()._new_episode(seed)
+
+
+def _run_workers(cfg: RollstreamConfig, url: str, episodes_per_group: int) -> list[EnvWorker]:
+    async def go() -> list[EnvWorker]:
+        layout = plan_layout(cfg.train_env_manager, cfg.custom_envs, "train_env_manager")
+        clients = [redis.asyncio.Redis.from_url(url) for _ in range(layout.num_workers)]
+        workers = [EnvWorker(cfg, rank, c, ScriptedPolicy(invalid_reply_rate=0.1),
+                             episodes_per_group=episodes_per_group) for rank, c in enumerate(clients)]
+        await asyncio.gather(*(w.run() for w in workers))
+        for c in clients:
+            await c.aclose()
+        return workers
+
+    return asyncio.run(go())
+
+
+def _stream(client: redis.Redis, exp: str) -> list[Trajectory | GroupDropNotice]:
+    return [decode_entry(f) for _, f in client.xrange(Keys.for_exp(exp).traj)]
+
+
+def _unlimited(tmp_path: Path, exp: str, *extra: str) -> RollstreamConfig:
+    # a high ratio, so burst runs never wait for a trainer
+    return scripted_config(tmp_path, f"exp_name={exp}", "async_generation_ratio=1000", *extra)
+
+
+def test_an_env_that_raises_drops_its_group_and_the_worker_goes_on(tmp_path, redis_server, redis_client) -> None:
+    cfg = _unlimited(tmp_path, "boom", "train_env_manager.tags=[FrozenLake]", "train_env_manager.num_groups_partition=null",
+                     "train_env_manager.num_env_groups=2", "train_env_manager.max_env_num_per_worker=16",
+                     f"custom_envs.FrozenLake.env_type={__name__}:ExplodingLake")
+    [worker] = _run_workers(cfg, redis_server.url, episodes_per_group=6)
+    items = _stream(redis_client, "boom")
+    failed = {i.group_id for i in items if isinstance(i, GroupDropNotice)}
+    played = {i.group_id for i in items if isinstance(i, Trajectory)}
+    assert failed and played and not failed & played  # every member of a failed group fails the same way
+    assert all(i.reason == "error" and "the env blew up" in i.detail for i in items if isinstance(i, GroupDropNotice))
+    assert len(failed) <= worker.stats.errors["FrozenLake"] <= 8 * len(failed)
+    assert len(failed) + len(played) == 2 * 6  # the worker kept playing after every failure
+
+    batcher = Batcher(redis_client, cfg)
+    batcher.next_batch(0, timeout_s=1.0)
+    counts = batcher.ledger.counters()
+    assert counts["failed_dropped"] == len(failed) and counts["returned"] == len(failed)
+    assert reconciles(counts)
+
+
+def _fingerprints(items: list) -> Counter:
+    return Counter((t.group_id, t.member, t.seed, t.score, tuple(turn.reply for turn in t.turns))
+                   for t in items if isinstance(t, Trajectory))
+
+
+def test_one_worker_or_four_play_the_same_multiset_of_trajectories(tmp_path, redis_server, redis_client) -> None:
+    one = _unlimited(tmp_path, "w1", "train_env_manager.max_env_num_per_worker=64")
+    four = _unlimited(tmp_path, "w4", "train_env_manager.max_env_num_per_worker=16")
+    assert plan_layout(one.train_env_manager, one.custom_envs, "t").num_workers == 1
+    _run_workers(one, redis_server.url, episodes_per_group=3)
+    _run_workers(four, redis_server.url, episodes_per_group=3)
+    a, b = _fingerprints(_stream(redis_client, "w1")), _fingerprints(_stream(redis_client, "w4"))
+    assert sum(a.values()) == 8 * 8 * 3
+    assert a == b
+
+
+def test_render_save_dir_gets_a_png_per_step(tmp_path, redis_server, redis_client) -> None:
+    frames = tmp_path / "frames"
+    cfg = _unlimited(tmp_path, "frames", f"render_save_dir={frames}", "train_env_manager.num_env_groups=2",
+                     "train_env_manager.num_groups_partition=[1,1]", "train_env_manager.group_size=2",
+                     "rollout_batch_size=4", "train_env_manager.max_env_num_per_worker=4")
+    _run_workers(cfg, redis_server.url, episodes_per_group=1)
+    trajs = [t for t in _stream(redis_client, "frames") if isinstance(t, Trajectory)]
+    assert len(trajs) == 4
+    for t in trajs:
+        pngs = sorted((frames / t.group_id / f"m{t.member}").glob("step*.png"))
+        assert len(pngs) == len(t.turns) + 1  # the start, then one per step
+        images = [np.asarray(Image.open(p)) for p in pngs]
+        assert images[0].ndim == 3 and images[0].shape[0] >= 64
+        moved = [i for i, turn in enumerate(t.turns) if turn.observation != (t.turns[i + 1].observation
+                                                                            if i + 1 < len(t.turns) else None)]
+        assert any(not np.array_equal(images[i], images[i + 1]) for i in moved)
