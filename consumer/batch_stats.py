@@ -12,17 +12,23 @@ from shared.schema import Trajectory
 
 def rollout_stats(trajs: Sequence[Trajectory], step: int) -> dict[str, float]:
     """Reward, success, actions, valid-action rate and staleness, overall and per tag."""
-    stats = _summary("rollout", trajs)
+    stats = per_tag_stats("rollout", trajs)
+    staleness = np.array([step - t.version for t in trajs])
+    stats["rollout/staleness_mean"] = float(staleness.mean()) if len(trajs) else 0.0
+    stats["rollout/staleness_max"] = float(staleness.max()) if len(trajs) else 0.0
+    stats["rollout/tokens"] = float(sum(t.num_tokens for t in trajs))
+    return stats
+
+
+def per_tag_stats(prefix: str, trajs: Sequence[Trajectory]) -> dict[str, float]:
+    """Score, success, actions and valid-action rate under `prefix/`, and under `prefix/<tag>/` per tag."""
+    stats = _summary(prefix, trajs)
     by_tag: dict[str, list[Trajectory]] = defaultdict(list)
     for t in trajs:
         by_tag[t.tag].append(t)
     if len(by_tag) > 1:
         for tag, members in sorted(by_tag.items()):
-            stats.update(_summary(f"rollout/{tag}", members))
-    staleness = np.array([step - t.version for t in trajs])
-    stats["rollout/staleness_mean"] = float(staleness.mean()) if len(trajs) else 0.0
-    stats["rollout/staleness_max"] = float(staleness.max()) if len(trajs) else 0.0
-    stats["rollout/tokens"] = float(sum(t.num_tokens for t in trajs))
+            stats.update(_summary(f"{prefix}/{tag}", members))
     return stats
 
 

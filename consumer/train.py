@@ -18,6 +18,7 @@ from consumer.batch_stats import rollout_stats
 from consumer.batcher import Batcher
 from consumer.learner import Learner, make_learner
 from consumer.metrics import MetricsLogger
+from consumer.validation import Validator
 from shared.codec import encode_trajectory
 from shared.config import RollstreamConfig
 from shared.ledger import reconciles
@@ -32,6 +33,8 @@ class TrainSummary:
     last_version: int
     counters: dict[str, int]
     plot: str | None
+    history: dict[str, list[tuple[int, float]]]
+    """Every logged metric as (step, value) pairs."""
 
 
 def run_trainer(cfg: RollstreamConfig, client: redis.Redis, *, consumer: str = "trainer-0",
@@ -42,11 +45,14 @@ def run_trainer(cfg: RollstreamConfig, client: redis.Redis, *, consumer: str = "
     learner = learner or make_learner(cfg)
     metrics = MetricsLogger(cfg)
     recorder = Recorder(cfg.record_to) if cfg.record_to else None
+    validator = Validator(client, cfg, consumer) if cfg.eval_steps else None
     start = batcher.ledger.version()
     bar = tqdm(total=cfg.max_steps, initial=start, desc="train", unit="step", disable=not progress,
                dynamic_ncols=True)
     try:
         for step in range(start, cfg.max_steps):
+            if validator and step % cfg.eval_steps == 0 and not stop.is_set():
+                metrics.log(step, validator.run(step, version=step))
             batch = None
             while batch is None and not stop.is_set():
                 batch = batcher.next_batch(step, timeout_s=1.0)
@@ -73,6 +79,8 @@ def run_trainer(cfg: RollstreamConfig, client: redis.Redis, *, consumer: str = "
             bar.update()
             bar.set_postfix(success=f"{stats.get('rollout/success', 0):.2f}",
                             score=f"{stats.get('rollout/score', 0):.2f}", wait=f"{batch.wait_s:.1f}s")
+        if validator and not stop.is_set() and batcher.ledger.version() == cfg.max_steps > start:
+            metrics.log(cfg.max_steps, validator.run(cfg.max_steps, version=cfg.max_steps))
     finally:
         bar.close()
         if recorder:
@@ -80,4 +88,5 @@ def run_trainer(cfg: RollstreamConfig, client: redis.Redis, *, consumer: str = "
         learner.close()
         plot = metrics.close()
     done = batcher.ledger.version()
-    return TrainSummary(done - start, done, batcher.ledger.counters(), str(plot) if plot else None)
+    return TrainSummary(done - start, done, batcher.ledger.counters(), str(plot) if plot else None,
+                        dict(metrics.history))

@@ -62,6 +62,9 @@ class EnvWorker:
         self.version_loaded = asyncio.Condition()
         render = cfg.render_save_dir
         self.render_dir = Path(render) if render else None
+        self.validation = ValidationPlayer(self)
+        self._val_tasks: set[asyncio.Task[None]] = set()
+        self._val_rounds: set[int] = set()
 
     # ---- the loop ----
 
@@ -81,9 +84,9 @@ class EnvWorker:
             if playing.done() and not playing.cancelled():
                 failure = playing.exception()  # a member crashed: clean up, then re-raise
         finally:
-            for task in [playing, *background, stopped]:
+            for task in [playing, *background, stopped, *self._val_tasks]:
                 task.cancel()
-            await asyncio.gather(playing, *background, stopped, return_exceptions=True)
+            await asyncio.gather(playing, *background, stopped, *self._val_tasks, return_exceptions=True)
             for g in groups:
                 await g.drop_unfinished("shutdown")
             await self.client.delete(self.keys.worker(self.rank))
@@ -101,7 +104,7 @@ class EnvWorker:
             self.notified.clear()
             admission = await self.admissions.admit(prefix)
             if admission.episode is not None:
-                await self._ensure_version(admission.version)
+                await self.ensure_version(admission.version)
                 return admission
             # No slot: wait for a notification instead of polling Redis. The timeout only bounds the
             # cost of a lost notification (e.g. a Redis restart).
@@ -111,7 +114,7 @@ class EnvWorker:
                 pass
         return None
 
-    async def _ensure_version(self, version: int) -> None:
+    async def ensure_version(self, version: int) -> None:
         """An episode may not start with weights older than the version it was admitted under."""
         async with self.version_loaded:
             await self.version_loaded.wait_for(lambda: self.policy.version >= version or self.stop.is_set())
@@ -126,6 +129,10 @@ class EnvWorker:
             ids[stream] = last[0][0] if last else "0-0"
             if last and stream == self.keys.weights:
                 await self._load(last[0][1])
+        round_in_progress = await self.client.get(self.keys.paused)
+        if round_in_progress:  # we started during a validation round: play our share of it
+            round_, version = map(int, round_in_progress.split())
+            self._start_validation(round_, version)
         return ids
 
     async def _follow_streams(self, ids: dict[str, bytes | str]) -> None:
@@ -136,6 +143,9 @@ class EnvWorker:
                 ids[name] = entries[-1][0]
                 if name == self.keys.weights:
                     await self._load(entries[-1][1])  # only the newest version matters
+                for _, fields in entries if name == self.keys.control else ():
+                    if fields.get(b"kind") == b"val":
+                        self._start_validation(int(fields[b"round"]), int(fields[b"version"]))
             if replies:
                 self.notified.set()
 
@@ -147,6 +157,14 @@ class EnvWorker:
             log.info("worker %d: loaded policy version %d", self.rank, version)
         async with self.version_loaded:
             self.version_loaded.notify_all()
+
+    def _start_validation(self, round_: int, version: int) -> None:
+        if round_ in self._val_rounds:
+            return
+        self._val_rounds.add(round_)
+        task = asyncio.create_task(self.validation.play_round(round_, version))
+        self._val_tasks.add(task)
+        task.add_done_callback(self._val_tasks.discard)
 
     async def _heartbeat(self) -> None:
         key, every = self.keys.worker(self.rank), self.cfg.redis.heartbeat_s
@@ -165,8 +183,8 @@ class EnvWorker:
 
     # ---- writing ----
 
-    async def publish(self, fields: dict[str, bytes | str | int | float]) -> None:
-        await self.client.xadd(self.keys.traj, fields)  # type: ignore[arg-type]
+    async def publish(self, fields: dict[str, bytes | str | int | float], stream: str | None = None) -> None:
+        await self.client.xadd(stream or self.keys.traj, fields)  # type: ignore[arg-type]
 
 
 class GroupRunner:
@@ -257,3 +275,44 @@ class GroupRunner:
                 await self.worker.publish(encode_drop(GroupDropNotice(group_id, reason, "", self.worker.rank)))
             except Exception:  # Redis gone at shutdown: the trainer's group timeout recovers the slot
                 log.warning("worker %d: could not report %s as %s", self.worker.rank, group_id, reason)
+
+
+class ValidationPlayer:
+    """This worker's share of the val groups (dealt round-robin over the train workers), one episode each per
+    round, at temperature 0, at most val_env_manager.max_env_num_per_worker at once."""
+
+    def __init__(self, worker: EnvWorker) -> None:
+        self.worker = worker
+        cfg = worker.cfg
+        self.groups = []
+        if cfg.eval_steps:
+            val = plan_layout(cfg.val_env_manager, cfg.custom_envs, "val_env_manager")
+            self.groups = [g for g in val.groups if g.group_index % worker.layout.num_workers == worker.rank]
+        self.concurrency = cfg.val_env_manager.max_env_num_per_worker
+
+    async def play_round(self, round_: int, version: int) -> None:
+        await self.worker.ensure_version(version)
+        slots = asyncio.Semaphore(self.concurrency)
+
+        async def play(spec: GroupSpec) -> None:
+            async with slots:
+                await self._play(spec, round_)
+
+        await asyncio.gather(*(play(g) for g in self.groups))
+
+    async def _play(self, group: GroupSpec, round_: int) -> None:
+        cfg, worker = self.worker.cfg, self.worker
+        # Every round plays the same held-out maps: the seed ignores the round.
+        spec = EpisodeSpec("val", group.tag, group.group_index, round_, 0,
+                           episode_seed(cfg.seed, "val", group.group_index, 0), worker.rank)
+        sampling = Sampling(cfg.custom_envs[group.tag].max_tokens_per_step, temperature=0.0)
+        try:
+            traj = await play_episode(make_env(group.tag, cfg.custom_envs), worker.policy, spec, sampling)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            log.exception("worker %d: validation episode %s failed", worker.rank, spec.group_id)
+            notice = GroupDropNotice(spec.group_id, "error", f"{type(e).__name__}: {e}"[:500], worker.rank)
+            await worker.publish(encode_drop(notice), worker.keys.val)
+            return
+        await worker.publish(encode_trajectory(traj), worker.keys.val)

@@ -124,12 +124,11 @@ class RollstreamConfig:
     save_steps: int = 10000
     logging_steps: int = 1
     eval_steps: int = 0
-    """Run validation every this many steps; 0 disables it."""
+    """Validate (val_env_manager, temperature 0) before every step divisible by this and after the last; 0: never."""
     resume_from_checkpoint: Any = False
 
     rollout_batch_size: int = 64
     """Trajectories per train step; a multiple of train_env_manager.group_size."""
-    val_batch_size: int = 64
     sequence_length: int = 2048
     async_generation_ratio: int = 0
     """r: generation may run r policy versions ahead of training; 0 is synchronous."""

@@ -66,7 +66,7 @@ class Keys:
 
     @property
     def paused(self) -> str:
-        """Set while train admission is paused (validation)."""
+        """Set while train admission is paused for a validation round; holds "<round> <version>"."""
         return f"{self.ns}:paused"
 
     def worker(self, rank: int) -> str:

@@ -1,0 +1,83 @@
+"""Validation rounds: pause train admission, have the workers play the val envs once, score them, resume.
+
+Round n plays a fixed set of held-out episodes (the seed of val group g is a function of (seed, g) only, so
+every round plays the same maps and rounds compare). Val trajectories travel on their own stream, `<ns>:val`,
+so they can never enter a train batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import redis
+
+from consumer.batch_stats import per_tag_stats
+from consumer.reader import StreamReader
+from shared.config import RollstreamConfig
+from shared.keys import TRAINER_GROUP, Keys
+from shared.layout import plan_layout
+from shared.schema import GroupDropNotice, Trajectory, parse_group_id
+
+log = logging.getLogger(__name__)
+
+
+class Validator:
+    def __init__(self, client: redis.Redis, cfg: RollstreamConfig, consumer: str = "trainer-0") -> None:
+        self.client = client
+        self.cfg = cfg
+        self.keys = Keys.for_exp(cfg.exp_name)
+        self.expected = len(plan_layout(cfg.val_env_manager, cfg.custom_envs, "val_env_manager").groups)
+        self.reader = StreamReader(client, self.keys, self.keys.val, consumer,
+                                   count=cfg.redis.read_count, block_ms=cfg.redis.block_ms)
+        client.delete(self.keys.paused)  # a trainer that died mid-round must not leave producers paused
+
+    def run(self, round_: int, version: int) -> dict[str, float]:
+        """One round at policy `version`; returns `val/...` metrics. Train admission is paused throughout."""
+        start = time.monotonic()
+        # The flag holds the round too, so a worker that starts mid-round still plays its share.
+        self.client.set(self.keys.paused, f"{round_} {version}")
+        self._announce({"kind": "val", "round": round_, "version": version})
+        try:
+            trajs, failed = self._collect(round_)
+        finally:
+            self.client.delete(self.keys.paused)
+            self._announce({"kind": "resume", "round": round_})
+        stats = per_tag_stats("val", trajs)
+        stats |= {"val/episodes": float(len(trajs)), "val/failed": float(failed),
+                  "val/missing": float(self.expected - len(trajs) - failed), "time/val_s": time.monotonic() - start}
+        return stats
+
+    def _announce(self, fields: dict[str, str | int]) -> None:
+        self.client.xadd(self.keys.control, fields, maxlen=1000, approximate=True)  # type: ignore[arg-type]
+
+    def _collect(self, round_: int) -> tuple[list[Trajectory], int]:
+        deadline = time.monotonic() + self.cfg.group_timeout_s
+        trajs: dict[str, Trajectory] = {}
+        failed: set[str] = set()
+        while len(trajs) + len(failed) < self.expected and time.monotonic() < deadline:
+            entries = self.reader.read()
+            for entry in entries:
+                item = entry.item
+                if _round_of(item.group_id) != round_:
+                    continue  # left over from an interrupted round
+                if isinstance(item, GroupDropNotice):
+                    failed.add(item.group_id)
+                else:
+                    trajs[item.group_id] = item
+            if entries:
+                ids = [e.entry_id for e in entries]
+                with self.client.pipeline(transaction=True) as pipe:
+                    pipe.xack(self.keys.val, TRAINER_GROUP, *ids).xdel(self.keys.val, *ids).execute()
+        if len(trajs) + len(failed) < self.expected:
+            log.warning("validation round %d: %d of %d episodes arrived within group_timeout_s",
+                        round_, len(trajs) + len(failed), self.expected)
+        return list(trajs.values()), len(failed)
+
+
+def _round_of(group_id: str) -> int | None:
+    try:
+        mode, _, _, episode = parse_group_id(group_id)
+    except ValueError:
+        return None
+    return episode if mode == "val" else None
