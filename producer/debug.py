@@ -13,7 +13,7 @@ from typing import TextIO
 from producer.envs.registry import make_env
 from producer.episode import EpisodeSpec, Sampling, play_episode
 from producer.policy.base import GenerateRequest, Generation, Policy
-from producer.policy.factory import make_policy
+from producer.policy.factory import chat_template_of, make_policy
 from producer.policy.scripted import ScriptedPolicy
 from shared.config import RollstreamConfig
 from shared.schema import Trajectory, Turn
@@ -78,7 +78,8 @@ def debug_env(cfg: RollstreamConfig, tag: str, policy_name: str, seed: int, out:
     async def play() -> Trajectory:
         narrated = _Narrated(policy, out)
         try:
-            return await play_episode(env, narrated, spec, sampling, render_dir, show)
+            return await play_episode(env, narrated, spec, sampling, render_dir, show,
+                                      chat=chat_template_of(policy), sequence_length=cfg.sequence_length)
         finally:
             await narrated.close()
 

@@ -7,10 +7,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
+
 from producer.envs.base import TextEnv
 from producer.envs.render import save_frame
 from producer.envs.text import turn_prompt
-from producer.policy.base import GenerateRequest, Policy, SamplingParams
+from producer.policy.base import GenerateRequest, Generation, Policy, SamplingParams
+from producer.policy.conversation import ChatTemplateDeltas, Conversation
 from shared.schema import Trajectory, Turn, make_group_id, make_traj_id
 from shared.seeding import turn_seed
 
@@ -41,26 +44,32 @@ class Sampling:
 
 
 async def play_episode(env: TextEnv, policy: Policy, spec: EpisodeSpec, sampling: Sampling,
-                       render_dir: Path | None = None, on_turn: Callable[[Turn], None] | None = None) -> Trajectory:
+                       render_dir: Path | None = None, on_turn: Callable[[Turn], None] | None = None,
+                       chat: ChatTemplateDeltas | None = None, sequence_length: int = 0) -> Trajectory:
+    """Play one episode. With `chat` (token-in/token-out policies) the conversation is kept as token ids,
+    capped at `sequence_length`; without it (the scripted policy) as messages only."""
     observation, _ = env.reset(seed=spec.seed)
-    messages = [{"role": "system", "content": env.system_prompt()}]
+    transcript = _Transcript(env.system_prompt(), chat, sequence_length)
     turns: list[Turn] = []
     score, success, end_reason = 0.0, False, "max_actions"
     frames = _FrameWriter(render_dir, spec, env)
     for t in range(env.max_actions_per_traj):
-        messages.append({"role": "user", "content": turn_prompt(t + 1, observation, env.actions_left,
-                                                                sampling.max_tokens)})
+        user = turn_prompt(t + 1, observation, env.actions_left, sampling.max_tokens)
+        if not transcript.add_user(user):
+            end_reason = "max_length"
+            break
         request = GenerateRequest(
-            messages=list(messages),
-            sampling=SamplingParams(sampling.max_tokens, sampling.temperature, sampling.top_p, sampling.top_k,
-                                    seed=turn_seed(spec.seed, spec.member, t)),
+            messages=list(transcript.messages),
+            sampling=SamplingParams(transcript.reply_budget(sampling.max_tokens), sampling.temperature,
+                                    sampling.top_p, sampling.top_k, seed=turn_seed(spec.seed, spec.member, t)),
+            prompt_ids=transcript.prompt_ids,
             action_names=env.action_names,
         )
         generation = await policy.generate(request)
-        messages.append({"role": "assistant", "content": generation.text})
+        span = transcript.add_reply(generation)
         next_observation, reward, terminated, truncated, info = env.step(generation.text)
         turns.append(Turn(generation.version, observation, generation.text, info["action"],
-                          bool(info["action_is_valid"]), float(reward), finish_reason=generation.finish_reason))
+                          bool(info["action_is_valid"]), float(reward), span, generation.finish_reason))
         frames.save(t + 1)
         if on_turn is not None:
             on_turn(turns[-1])
@@ -70,11 +79,55 @@ async def play_episode(env: TextEnv, policy: Policy, spec: EpisodeSpec, sampling
         if terminated or truncated:
             end_reason = "terminated" if terminated else "truncated"
             break
+    input_ids, response_mask, logprobs = transcript.arrays()
     return Trajectory(
         traj_id=make_traj_id(spec.group_id, spec.member), group_id=spec.group_id, mode=spec.mode, tag=spec.tag,
         group_index=spec.group_index, episode=spec.episode, member=spec.member, seed=spec.seed, turns=turns,
         score=score, success=success, end_reason=end_reason, worker_rank=spec.worker_rank, created_at=time.time(),
+        input_ids=input_ids, response_mask=response_mask, logprobs=logprobs,
     )
+
+
+class _Transcript:
+    """The conversation as chat messages, and as token ids when the policy is token-in/token-out."""
+
+    def __init__(self, system: str, chat: ChatTemplateDeltas | None, sequence_length: int) -> None:
+        self.messages = [{"role": "system", "content": system}]
+        self.chat = chat
+        self.sequence_length = sequence_length
+        self.tokens: Conversation | None = None
+
+    def add_user(self, content: str) -> bool:
+        """False when the turn does not fit under sequence_length: the episode ends with max_length."""
+        if self.chat is not None:
+            if self.tokens is None:
+                self.tokens = Conversation.start(self.chat, [*self.messages, {"role": "user", "content": content}],
+                                                 self.sequence_length)
+                if self.tokens.over_length:
+                    return False
+            elif not self.tokens.add_user(content):
+                return False
+        self.messages.append({"role": "user", "content": content})
+        return True
+
+    @property
+    def prompt_ids(self) -> np.ndarray | None:
+        return None if self.tokens is None else self.tokens.prompt_ids
+
+    def reply_budget(self, max_tokens: int) -> int:
+        return max_tokens if self.tokens is None else self.tokens.reply_budget(max_tokens)
+
+    def add_reply(self, generation: Generation) -> tuple[int, int]:
+        self.messages.append({"role": "assistant", "content": generation.text})
+        if self.tokens is None:
+            return (0, 0)
+        self.tokens.add_response(generation)
+        return self.tokens.spans[-1]
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        if self.tokens is None:
+            return np.zeros(0, np.int32), np.zeros(0, np.uint8), np.zeros(0, np.float32)
+        return self.tokens.arrays()
 
 
 class _FrameWriter:

@@ -22,12 +22,13 @@ from producer.envs.base import TextEnv
 from producer.envs.registry import make_env
 from producer.episode import EpisodeSpec, Sampling, play_episode
 from producer.policy.base import Policy
+from producer.policy.factory import chat_template_of
 from shared.codec import encode_drop, encode_trajectory
 from shared.config import RollstreamConfig
 from shared.keys import Keys
 from shared.layout import GroupSpec, plan_layout
 from shared.ledger import Admission, AsyncAdmissions
-from shared.schema import GroupDropNotice, group_prefix
+from shared.schema import GroupDropNotice, Trajectory, group_prefix
 from shared.seeding import episode_seed
 
 log = logging.getLogger(__name__)
@@ -38,7 +39,6 @@ class WorkerStats:
     """What the heartbeat reports; per-tag counts feed the metrics."""
 
     episodes: Counter[str] = field(default_factory=Counter)
-    successes: Counter[str] = field(default_factory=Counter)
     errors: Counter[str] = field(default_factory=Counter)
     started_at: float = field(default_factory=time.time)
 
@@ -62,6 +62,8 @@ class EnvWorker:
         self.version_loaded = asyncio.Condition()
         render = cfg.render_save_dir
         self.render_dir = Path(render) if render else None
+        self.chat = chat_template_of(policy)
+        """Token-in/token-out for policies with a tokenizer; None for the scripted policy."""
         self.validation = ValidationPlayer(self)
         self._val_tasks: set[asyncio.Task[None]] = set()
         self._val_rounds: set[int] = set()
@@ -181,7 +183,12 @@ class EnvWorker:
             await self.client.expire(key, max(1, int(5 * every)))
             await asyncio.sleep(every)
 
-    # ---- writing ----
+    # ---- playing and writing ----
+
+    async def play(self, env: TextEnv, spec: EpisodeSpec, sampling: Sampling, render_dir: Path | None = None
+                   ) -> Trajectory:
+        return await play_episode(env, self.policy, spec, sampling, render_dir, chat=self.chat,
+                                  sequence_length=self.cfg.sequence_length)
 
     async def publish(self, fields: dict[str, bytes | str | int | float], stream: str | None = None) -> None:
         await self.client.xadd(stream or self.keys.traj, fields)  # type: ignore[arg-type]
@@ -232,7 +239,7 @@ class GroupRunner:
                            episode_seed(self.worker.cfg.seed, "train", self.spec.group_index, episode),
                            self.worker.rank)
         try:
-            traj = await play_episode(env, self.worker.policy, spec, self._sampling(), self.worker.render_dir)
+            traj = await self.worker.play(env, spec, self._sampling(), self.worker.render_dir)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # an env (or a user's env) that raises must not take the worker down
@@ -243,7 +250,6 @@ class GroupRunner:
         if k not in self.failed:  # a member that failed meanwhile already ended the group
             await self.worker.publish(encode_trajectory(traj))
             self.worker.stats.episodes[self.spec.tag] += 1
-            self.worker.stats.successes[self.spec.tag] += traj.success
         return True
 
     def _mark_done(self, k: int, member: int) -> None:
@@ -307,7 +313,7 @@ class ValidationPlayer:
                            episode_seed(cfg.seed, "val", group.group_index, 0), worker.rank)
         sampling = Sampling(cfg.custom_envs[group.tag].max_tokens_per_step, temperature=0.0)
         try:
-            traj = await play_episode(make_env(group.tag, cfg.custom_envs), worker.policy, spec, sampling)
+            traj = await worker.play(make_env(group.tag, cfg.custom_envs), spec, sampling)
         except asyncio.CancelledError:
             raise
         except Exception as e:
