@@ -97,6 +97,20 @@ class WorkerConfig:
 
 
 @dataclass
+class TinyModelConfig:
+    """An offline stand-in for a pretrained instruct model: no model hub is needed."""
+
+    build: bool = False
+    """Make a tiny Qwen2 model (BPE tokenizer trained on the envs' text) at `pretrain` when that dir has none."""
+    tie_word_embeddings: bool = False
+    hidden_size: int = 128
+    layers: int = 2
+    sft_seconds: float = 120.0
+    """Format warm start: supervised fine-tuning on replies with uniformly random valid actions, this long."""
+    sft_steps: int = 2000
+
+
+@dataclass
 class RedisConfig:
     url: str | None = None
     """redis://[user:password@]host:port/db or rediss:// for TLS; unset starts an embedded server.
@@ -157,6 +171,7 @@ class RollstreamConfig:
         default_factory=lambda: {"FrozenLake": CustomEnvConfig()}
     )
     redis: RedisConfig = field(default_factory=RedisConfig)
+    tiny_model: TinyModelConfig = field(default_factory=TinyModelConfig)
     wandb_mode: str = "offline"
     """online | offline | disabled: offline writes the run under output_dir for a later `wandb sync`."""
     wandb_project: str = "rollstream"
@@ -233,6 +248,8 @@ def validate(cfg: RollstreamConfig) -> None:
     _one_of(cfg.actor_train.strategy_args.strategy_name, "actor_train.strategy_args.strategy_name", TRAIN_STRATEGIES)
     _one_of(cfg.adv_estimator, "adv_estimator", ADV_ESTIMATORS)
     _one_of(cfg.wandb_mode, "wandb_mode", ("online", "offline", "disabled"))
+    if cfg.tiny_model.build and not cfg.pretrain:
+        raise ConfigError("tiny_model.build=true needs pretrain: the directory to build the tiny model in")
     if cfg.redis.block_ms / 1000 >= cfg.redis.socket_timeout_s:
         raise ConfigError(
             f"redis.block_ms={cfg.redis.block_ms} must stay below redis.socket_timeout_s="

@@ -31,6 +31,7 @@ def run_local(cfg: RollstreamConfig, *, fresh: bool = False) -> int:
     out = Path(cfg.output_dir)
     config_path = out / "config.yaml"
     dump_config(cfg, config_path)
+    ensure_pretrained(cfg)
     layout = plan_layout(cfg.train_env_manager, cfg.custom_envs, "train_env_manager")
     logs = Path(cfg.logging_dir)
     logs.mkdir(parents=True, exist_ok=True)
@@ -56,6 +57,18 @@ def run_local(cfg: RollstreamConfig, *, fresh: bool = False) -> int:
         finally:
             _stop_all([trainer, *producers])
     return code
+
+
+def ensure_pretrained(cfg: RollstreamConfig) -> None:
+    """Build the offline tiny model at `pretrain` first, when the config asks for it and it is not there yet."""
+    if not cfg.tiny_model.build or (Path(cfg.pretrain or "") / "config.json").exists():
+        return
+    from producer.policy.tiny_model import main_tiny_model
+
+    t = cfg.tiny_model
+    log.info("building the tiny model in %s (format warm start: up to %.0f s)", cfg.pretrain, t.sft_seconds)
+    main_tiny_model(str(cfg.pretrain), tie_word_embeddings=t.tie_word_embeddings, sft_steps=t.sft_steps,
+                    sft_seconds=t.sft_seconds)
 
 
 def _prepare_namespace(cfg: RollstreamConfig, url: str, fresh: bool) -> None:
