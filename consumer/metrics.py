@@ -54,7 +54,13 @@ class MetricsLogger:
         fig, axes = plt.subplots(len(curves), 1, figsize=(7, 2.2 * len(curves)), sharex=True, squeeze=False)
         for ax, key in zip(axes[:, 0], curves):
             steps, values = zip(*self.history[key])
-            ax.plot(steps, values, marker="." if len(steps) < 50 else None)
+            ax.plot(steps, values, marker="." if len(steps) < 50 else None, label=key)
+            if key == "val/success":  # the yardsticks, on the same maps
+                refs = sorted(k for k in self.history if k.startswith("val/") and "/ref_" in k)
+                for i, ref in enumerate(refs):
+                    ax.axhline(self.history[ref][-1][1], linestyle="--", linewidth=0.8, color=f"C{1 + i % 9}",
+                               label=ref.removeprefix("val/"))
+                ax.legend(fontsize=6, loc="upper left")
             ax.set_ylabel(key, fontsize=8)
             ax.grid(alpha=0.3)
         axes[-1, 0].set_xlabel("train step")

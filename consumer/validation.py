@@ -18,6 +18,7 @@ from shared.config import RollstreamConfig
 from shared.keys import TRAINER_GROUP, Keys
 from shared.layout import plan_layout
 from shared.schema import GroupDropNotice, Trajectory, parse_group_id
+from shared.seeding import episode_seed
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +32,7 @@ class Validator:
         self.reader = StreamReader(client, self.keys, self.keys.val, consumer,
                                    count=cfg.redis.read_count, block_ms=cfg.redis.block_ms)
         client.delete(self.keys.paused)  # a trainer that died mid-round must not leave producers paused
+        self.references = reference_stats(cfg)
 
     def run(self, round_: int, version: int) -> dict[str, float]:
         """One round at policy `version`; returns `val/...` metrics. Train admission is paused throughout."""
@@ -43,7 +45,7 @@ class Validator:
         finally:
             self.client.delete(self.keys.paused)
             self._announce({"kind": "resume", "round": round_})
-        stats = per_tag_stats("val", trajs)
+        stats = per_tag_stats("val", trajs) | self.references
         stats |= {"val/episodes": float(len(trajs)), "val/failed": float(failed),
                   "val/missing": float(self.expected - len(trajs) - failed), "time/val_s": time.monotonic() - start}
         return stats
@@ -73,6 +75,22 @@ class Validator:
             log.warning("validation round %d: %d of %d episodes arrived within group_timeout_s",
                         round_, len(trajs) + len(failed), self.expected)
         return list(trajs.values()), len(failed)
+
+
+def reference_stats(cfg: RollstreamConfig) -> dict[str, float]:
+    """`val/<tag>/ref_<policy>`: reference policies' success on exactly the held-out maps validation plays."""
+    from producer.envs.references import REFERENCES, reference_success
+    from producer.envs.registry import make_env
+
+    layout = plan_layout(cfg.val_env_manager, cfg.custom_envs, "val_env_manager")
+    stats = {}
+    for tag in layout.groups_per_tag():
+        seeds = [episode_seed(cfg.seed, "val", g.group_index, 0) for g in layout.groups if g.tag == tag]
+        for name in REFERENCES:
+            value = reference_success(lambda: make_env(tag, cfg.custom_envs), seeds, name, seed=cfg.seed)
+            if value is not None:
+                stats[f"val/{tag}/ref_{name}"] = value
+    return stats
 
 
 def _round_of(group_id: str) -> int | None:

@@ -1,0 +1,17 @@
+from producer.envs.frozen_lake import FrozenLakeEnv
+from producer.envs.references import reference_success
+from producer.envs.sokoban import SokobanEnv
+
+
+def test_frozen_lake_references_order_as_measured() -> None:
+    seeds = list(range(40))
+    make = lambda: FrozenLakeEnv(max_actions_per_traj=10)  # noqa: E731
+    random, right_down, optimal = (reference_success(make, seeds, r) for r in ("random", "right_down", "optimal"))
+    assert optimal == 1.0
+    assert random < 0.1 < right_down < optimal
+
+
+def test_sokoban_has_no_right_down_reference_and_its_plan_solves() -> None:
+    make = lambda: SokobanEnv(max_actions_per_traj=20)  # noqa: E731
+    assert reference_success(make, [1, 2], "right_down") is None
+    assert reference_success(make, [1, 2, 3], "optimal") == 1.0
