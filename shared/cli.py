@@ -78,6 +78,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", choices=["scripted", "human", "llm"], default="scripted",
                    help="llm = the config's actor_infer backend")
     p.add_argument("--seed", type=int, default=0)
+    p = command("tiny-model", _tiny_model, "build the offline tiny model with its format warm start",
+                config="none")
+    p.add_argument("out", help="directory to write the model and tokenizer to")
+    p.add_argument("--tied", action="store_true", help="tie the input and output embeddings")
+    p.add_argument("--sft-seconds", type=float, default=120.0)
+    p.add_argument("--sft-steps", type=int, default=2000)
     p = command("replay", _replay, "push a recorded file into the trajectory stream", config="none")
     p.add_argument("file")
     p.add_argument("config", nargs="?")
@@ -138,6 +144,13 @@ def _debug_env(args: argparse.Namespace) -> int:
     if args.tag not in cfg.custom_envs:
         raise ConfigError(f"--tag {args.tag!r} is not in custom_envs; known tags: {', '.join(cfg.custom_envs)}")
     debug_env(cfg, args.tag, args.policy, args.seed)
+    return 0
+
+
+def _tiny_model(args: argparse.Namespace) -> int:
+    from producer.policy.tiny_model import main_tiny_model
+
+    main_tiny_model(args.out, tie_word_embeddings=args.tied, sft_steps=args.sft_steps, sft_seconds=args.sft_seconds)
     return 0
 
 

@@ -296,9 +296,11 @@ def main_tiny_model(
     sft_seconds: float = 120.0,
     threads: int | None = None,
     eval_prompts: int = 128,
+    hidden_size: int = 128,
+    layers: int = 2,
 ) -> None:
     """`rollstream tiny-model OUT`: build the tiny model with its tokenizer and give it the format warm start."""
-    path = build_tiny_model(out, tie_word_embeddings=tie_word_embeddings)
+    path = build_tiny_model(out, tie_word_embeddings=tie_word_embeddings, hidden_size=hidden_size, layers=layers)
     stats = sft_format_warm_start(path, sft_steps, max_seconds=sft_seconds, threads=threads)
     stats["valid_rate"] = format_valid_rate(path, eval_prompts)
     print(json.dumps({"model_dir": str(path), **stats}))
