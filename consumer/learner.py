@@ -41,4 +41,9 @@ def make_learner(cfg: RollstreamConfig) -> Learner:
     name = cfg.actor_train.strategy_args.strategy_name
     if name == "stats_only":
         return StatsOnlyLearner()
+    if name in ("torch_train", "deepspeed_train"):
+        from consumer.policy_learner import PolicyLearner
+        from consumer.strategy import make_strategy
+
+        return PolicyLearner(cfg, make_strategy(cfg))
     raise ValueError(f"actor_train.strategy_args.strategy_name={name!r} has no learner yet")

@@ -52,9 +52,10 @@ class EnvManagerConfig:
 @dataclass
 class StrategyArgs:
     strategy_name: str = "scripted"
-    """actor_infer: scripted | hf_infer | vllm; actor_train: stats_only (more to come)."""
+    """actor_infer: scripted | hf_infer | vllm; actor_train: stats_only | torch_train | deepspeed_train."""
     strategy_config: dict[str, Any] = field(default_factory=dict)
-    """Backend-specific settings (vLLM: gpu_memory_utilization, tensor_parallel_size, ...)."""
+    """Backend-specific settings (vLLM: gpu_memory_utilization, tensor_parallel_size, ...; torch_train: device;
+    deepspeed_train: zero_stage 1 | 2 | 3, default 2)."""
 
 
 @dataclass
@@ -74,6 +75,13 @@ class TrainingArgs:
     gradient_accumulation_steps: int = 1
     warmup_steps: int = 0
     lr_scheduler_type: str = "constant"
+    """constant | linear | cosine (transformers' schedules), stepped once per optimizer step."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this before each optimizer step; 0 disables clipping."""
+    max_tokens_per_microbatch: int = 0
+    """Token budget of a micro-batch (rows x longest row) for gradient accumulation; 0: per_device_train_batch_size
+    rows per micro-batch. A mini-batch (one optimizer step) is per_device_train_batch_size x
+    gradient_accumulation_steps trajectories either way."""
 
 
 @dataclass
@@ -158,6 +166,19 @@ class RollstreamConfig:
     init_kl_coef: float = 0.0
     whiten_advantages: bool = False
     entropy_loss_coef: float = 0.0
+    adv_std_normalize: str = "group"
+    """grpo/gigpo: group divides by the group's std (floored at adv_std_floor); none keeps mean-only advantages."""
+    adv_std_floor: float = 1e-6
+    """Smallest std a group's advantages are divided by; raise it (e.g. 0.1) so a tiny reward spread stays tiny."""
+    adv_clip: float | None = None
+    """Clip advantages to [-adv_clip, adv_clip] after whitening; unset: no clipping."""
+    gigpo_step_weight: float = 1.0
+    """gigpo: omega in A = A_episode + omega * A_step."""
+    old_logprobs: str = "engine"
+    """Anchor of the PPO ratio: engine (the behaviour policy's own logprobs: corrects async staleness) or
+    recompute (the trainer's weights before the step, with a truncated importance weight to the engine's)."""
+    is_ratio_cap: float = 3.0
+    """Truncation of the importance ratio: the dual clip for negative advantages; with recompute, the IS weight cap."""
 
     actor_train: WorkerConfig = field(
         default_factory=lambda: WorkerConfig(strategy_args=StrategyArgs(strategy_name="stats_only"))
@@ -185,7 +206,7 @@ class RollstreamConfig:
 
 
 INFER_STRATEGIES = ("scripted", "hf_infer", "vllm")
-TRAIN_STRATEGIES = ("stats_only",)
+TRAIN_STRATEGIES = ("stats_only", "torch_train", "deepspeed_train")
 ADV_ESTIMATORS = ("grpo", "reinforce", "gigpo")
 
 
@@ -247,6 +268,7 @@ def validate(cfg: RollstreamConfig) -> None:
     _one_of(cfg.actor_infer.strategy_args.strategy_name, "actor_infer.strategy_args.strategy_name", INFER_STRATEGIES)
     _one_of(cfg.actor_train.strategy_args.strategy_name, "actor_train.strategy_args.strategy_name", TRAIN_STRATEGIES)
     _one_of(cfg.adv_estimator, "adv_estimator", ADV_ESTIMATORS)
+    _validate_learning(cfg)
     _one_of(cfg.wandb_mode, "wandb_mode", ("online", "offline", "disabled"))
     if cfg.tiny_model.build and not cfg.pretrain:
         raise ConfigError("tiny_model.build=true needs pretrain: the directory to build the tiny model in")
@@ -266,6 +288,45 @@ def validate(cfg: RollstreamConfig) -> None:
                 f"val_env_manager.group_size={cfg.val_env_manager.group_size}: validation runs at "
                 "temperature 0, so every member of a group would play the same; use 1"
             )
+
+
+def _validate_learning(cfg: RollstreamConfig) -> None:
+    """Advantage and loss settings always; optimizer and model settings when a strategy trains a model."""
+    _one_of(cfg.adv_std_normalize, "adv_std_normalize", ("group", "none"))
+    _one_of(cfg.old_logprobs, "old_logprobs", ("engine", "recompute"))
+    _greater(cfg.adv_std_floor, "adv_std_floor", 0.0)
+    if cfg.adv_clip is not None:
+        _greater(cfg.adv_clip, "adv_clip", 0.0, "(or unset for no clipping)")
+    _greater(cfg.pg_clip, "pg_clip", 0.0)
+    _greater(cfg.is_ratio_cap, "is_ratio_cap", 1.0)
+    if not 0.0 <= cfg.gamma <= 1.0:
+        raise ConfigError(f"gamma={cfg.gamma}: must be in [0, 1]")
+    for key in ("init_kl_coef", "entropy_loss_coef", "gigpo_step_weight"):
+        if getattr(cfg, key) < 0:
+            raise ConfigError(f"{key}={getattr(cfg, key)}: must be >= 0")
+    if cfg.actor_train.strategy_args.strategy_name not in ("torch_train", "deepspeed_train"):
+        return
+    if not cfg.pretrain:
+        raise ConfigError("pretrain is unset: actor_train.strategy_args.strategy_name="
+                          f"{cfg.actor_train.strategy_args.strategy_name!r} trains the model in that directory")
+    args = cfg.actor_train.training_args
+    _greater(args.learning_rate, "actor_train.training_args.learning_rate", 0.0)
+    _positive(args.per_device_train_batch_size, "actor_train.training_args.per_device_train_batch_size",
+              allow_zero=False)
+    _positive(args.gradient_accumulation_steps, "actor_train.training_args.gradient_accumulation_steps",
+              allow_zero=False)
+    _positive(args.warmup_steps, "actor_train.training_args.warmup_steps", allow_zero=True)
+    _positive(args.max_tokens_per_microbatch, "actor_train.training_args.max_tokens_per_microbatch", allow_zero=True)
+    if args.max_grad_norm < 0 or args.weight_decay < 0:
+        raise ConfigError(f"actor_train.training_args.max_grad_norm={args.max_grad_norm} and weight_decay="
+                          f"{args.weight_decay}: both must be >= 0 (max_grad_norm 0 disables clipping)")
+    _one_of(args.lr_scheduler_type, "actor_train.training_args.lr_scheduler_type", ("constant", "linear", "cosine"))
+    _one_of(cfg.actor_train.model_args.dtype, "actor_train.model_args.dtype", ("fp32", "bf16"))
+
+
+def _greater(value: float, key: str, bound: float, hint: str = "") -> None:
+    if not value > bound:
+        raise ConfigError(f"{key}={value}: must be > {bound} {hint}".rstrip())
 
 
 def _positive(value: int, key: str, *, allow_zero: bool) -> None:

@@ -53,7 +53,7 @@ def run_local(cfg: RollstreamConfig, *, fresh: bool = False) -> int:
         log.info("started %d env-workers (logs in %s)", len(producers), logs)
         trainer = _spawn(["trainer", str(config_path)], env, None)
         try:
-            code = _wait_for_trainer(trainer, producers)
+            code = _wait_for_trainer(trainer, producers, logs)
         finally:
             _stop_all([trainer, *producers])
     return code
@@ -100,12 +100,16 @@ def _die_with_parent() -> None:
         pass
 
 
-def _wait_for_trainer(trainer: subprocess.Popen[bytes], producers: list[subprocess.Popen[bytes]]) -> int:
+def _wait_for_trainer(trainer: subprocess.Popen[bytes], producers: list[subprocess.Popen[bytes]],
+                      logs: Path) -> int:
+    """The trainer's exit code; a crashed env-worker ends the run (the trainer would wait for it forever)."""
     try:
         while trainer.poll() is None:
-            for p in producers:
+            for rank, p in enumerate(producers):
                 if p.poll() not in (None, 0):
-                    log.error("env-worker pid %d exited with %s; see its log", p.pid, p.returncode)
+                    log.error("env-worker %d exited with code %s: see %s; stopping the run", rank, p.returncode,
+                              logs / f"producer-{rank}.log")
+                    return 1
             time.sleep(0.5)
     except KeyboardInterrupt:
         log.warning("interrupted: stopping the trainer and env-workers")

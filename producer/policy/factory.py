@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import inspect
+from typing import TYPE_CHECKING, Any
 
 from producer.policy.base import Policy
 from shared.config import ConfigError, RollstreamConfig
@@ -18,17 +19,29 @@ def make_policy(cfg: RollstreamConfig) -> Policy:
     if strategy.strategy_name == "scripted":
         from producer.policy.scripted import ScriptedPolicy
 
-        return ScriptedPolicy(**options)
+        return ScriptedPolicy(**_checked(ScriptedPolicy, options))
     if not cfg.pretrain:
         raise ConfigError(f"actor_infer.strategy_args.strategy_name={strategy.strategy_name!r} needs pretrain: "
                           "a Hugging Face model directory (or tiny_model.build to make one)")
     if strategy.strategy_name == "hf_infer":
         from producer.policy.hf import HFPolicy
 
-        return HFPolicy(cfg.pretrain, seed=cfg.seed, **options)
+        return HFPolicy(cfg.pretrain, seed=cfg.seed, **_checked(HFPolicy, options))
     from producer.policy.vllm import VLLMPolicy
 
-    return VLLMPolicy(cfg.pretrain, seed=cfg.seed, max_model_len=cfg.sequence_length, **options)
+    return VLLMPolicy(cfg.pretrain, seed=cfg.seed, **({"max_model_len": cfg.sequence_length}
+                                                      | _checked(VLLMPolicy, options)))
+
+
+def _checked(cls: type, options: dict[str, Any]) -> dict[str, Any]:
+    """strategy_config keys must be the backend's keyword arguments: a typo is an error, not a TypeError later."""
+    accepted = [name for name, p in inspect.signature(cls).parameters.items()
+                if p.kind is p.KEYWORD_ONLY and name not in ("version", "seed")]
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        raise ConfigError(f"actor_infer.strategy_args.strategy_config has {', '.join(unknown)}, which "
+                          f"{cls.__name__} does not take; valid keys: {', '.join(accepted)}")
+    return options
 
 
 def chat_template_of(policy: Policy) -> "ChatTemplateDeltas | None":

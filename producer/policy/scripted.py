@@ -14,7 +14,7 @@ from producer.policy.base import GenerateRequest, Generation
 
 
 class ScriptedPolicy:
-    def __init__(self, invalid_reply_rate: float = 0.0, delay_s: float = 0.0) -> None:
+    def __init__(self, *, invalid_reply_rate: float = 0.0, delay_s: float = 0.0) -> None:
         self.invalid_reply_rate = invalid_reply_rate
         """Share of replies that are deliberately garbage, to exercise the format penalty."""
         self.delay_s = delay_s

@@ -1,0 +1,111 @@
+"""The policy-gradient loss and its parts, token by token. Pure torch functions.
+
+Every per-token tensor is (B, T - 1), aligned on target tokens (see `consumer.tensors`). Losses are summed over
+response tokens and divided by a `normalizer` the caller chooses: the number of response tokens in the whole
+mini-batch, so that gradient accumulation over micro-batches of any size gives exactly the token mean.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# exp() of a log-ratio beyond this overflows nothing and is clipped or truncated anyway; without the clamp a
+# token whose policy moved far (or a garbage engine logprob) makes inf * 0 = NaN where the advantage is 0.
+MAX_LOG_RATIO = 20.0
+
+
+def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """log p(input_ids[:, j + 1] | input_ids[:, : j + 1]) as (B, T - 1), in float32.
+
+    Gather minus logsumexp rather than a full log_softmax: one (B, T, V) float tensor fewer.
+    """
+    logits = logits[:, :-1].float()
+    targets = input_ids[:, 1:].unsqueeze(-1)
+    return logits.gather(-1, targets).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def token_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of the next-token distribution at every target position, (B, T - 1)."""
+    logits = logits[:, :-1].float()
+    logp = torch.log_softmax(logits, dim=-1)
+    return -(logp.exp() * logp).sum(dim=-1)
+
+
+def masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (values * mask).sum()
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return masked_sum(values, mask) / mask.sum().clamp(min=1.0)
+
+
+def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """Schulman's k3 estimator of KL(policy || reference) per token: exp(d) - d - 1 with d = ref - policy.
+
+    Unbiased, always >= 0, and lower variance than the plain log-ratio.
+    """
+    d = (ref_logprobs - logprobs).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    return torch.exp(d) - d - 1.0
+
+
+@dataclass(frozen=True)
+class PolicyLossOutput:
+    loss: torch.Tensor
+    """Per-token loss (B, T - 1), not yet masked or reduced."""
+    ratio: torch.Tensor
+    """pi_theta / pi_old per token."""
+    clipped: torch.Tensor
+    """1.0 where the PPO clip is active (the gradient of that token is zero)."""
+    truncated: torch.Tensor
+    """1.0 where the ratio cap bounds the loss of a negative advantage."""
+
+
+def ppo_policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    clip_eps: float,
+    ratio_cap: float,
+    weights: torch.Tensor | None = None,
+) -> PolicyLossOutput:
+    """PPO's clipped surrogate per token, with the ratio truncated at `ratio_cap` for negative advantages.
+
+    The clip alone bounds the objective only on one side: for A < 0 the pessimistic max picks -A * ratio, which
+    grows without bound when the current policy puts far more mass on a token than `old` did. That is exactly
+    what happens when `old` is a stale behaviour policy (async generation), so the ratio is truncated at
+    `ratio_cap` (dual-clip PPO, Ye et al. 2020): the loss is capped at -A * ratio_cap and the token's gradient
+    is zero beyond it. `weights` multiply the per-token loss (e.g. truncated importance weights).
+    """
+    log_ratio = (logprobs - old_logprobs).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps)
+    loss = torch.maximum(unclipped, clipped)
+    cap = -advantages * ratio_cap
+    truncate = (advantages < 0) & (loss > cap)
+    loss = torch.where(truncate, cap, loss)
+    if weights is not None:
+        loss = loss * weights
+    return PolicyLossOutput(
+        loss=loss,
+        ratio=ratio.detach(),
+        clipped=(clipped > unclipped).float(),
+        truncated=truncate.float(),
+    )
+
+
+def truncated_importance_weights(old_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor,
+                                 cap: float) -> torch.Tensor:
+    """min(pi_old / mu, cap) per token: the off-policy correction when `old` is the trainer's recomputed policy
+    and mu the (older) policy that actually sampled the tokens (truncated IS, Ionides 2008; Yao et al. 2025)."""
+    log_w = (old_logprobs - behaviour_logprobs).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    return torch.exp(log_w).clamp(max=cap).detach()
+
+
+def approx_kl(logprobs: torch.Tensor, old_logprobs: torch.Tensor) -> torch.Tensor:
+    """k3 estimate of KL(old || current) per token: how far the update moved the policy (a diagnostic)."""
+    log_ratio = (logprobs - old_logprobs).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    return torch.exp(log_ratio) - 1.0 - log_ratio

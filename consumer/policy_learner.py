@@ -1,0 +1,350 @@
+"""The learner that trains a policy: advantages, PPO epochs over mini-batches, weight publication, checkpoints.
+
+A train step reads top to bottom: advantages per trajectory -> padded token tensors -> (recomputed old and
+reference logprobs) -> for each PPO epoch, for each shuffled mini-batch: micro-batches sized by a token budget,
+forward, loss, backward; one optimizer step per mini-batch. `ppo_update` only sees tensors and a strategy, so a
+multi-rank strategy can run it on every rank over that rank's shard.
+
+Old logprobs (the anchor of the PPO ratio), `old_logprobs`:
+- "engine" (default): the inference engine's logprobs of the sampled tokens, i.e. the behaviour policy mu that
+  really generated them. With async generation (r >= 1) mu is up to r versions older than the trainer's
+  weights, so pi_theta / mu is the importance ratio that corrects for it; PPO clips it and the ratio cap
+  truncates it for negative advantages. Recomputing old logprobs on the trainer instead would anchor the ratio
+  at the trainer's current weights, make it exactly 1 on the first update and hide the staleness.
+- "recompute": the trainer's own logprobs before the step's first update (the proximal policy of decoupled
+  PPO): the clip then measures only this step's movement, and the staleness is corrected by a separate
+  truncated importance weight min(pi_old / mu, ratio_cap) on every token. Useful when the engine's numerics
+  differ from the trainer's (e.g. a bf16 engine against an fp32 trainer), at the cost of one extra forward.
+Both compare raw (temperature 1) logprobs, which is what the producers record (`logprobs_mode` raw_logprobs).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import shutil
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from consumer.advantages import AdvantageSettings, compute_advantages
+from consumer.batcher import Batch
+from consumer.loss import (approx_kl, kl_k3, masked_sum, ppo_policy_loss, token_entropy, token_logprobs,
+                           truncated_importance_weights)
+from consumer.strategy import TrainStrategy, minibatch_size
+from consumer.tensors import TokenBatch, build_token_batch, microbatch_indices, minibatch_indices
+from shared.config import RollstreamConfig
+
+log = logging.getLogger(__name__)
+
+OLD_LOGPROB_SOURCES = ("engine", "recompute")
+LEARNER_STATE_FILE = "learner.pt"
+Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class UpdateSettings:
+    clip_eps: float = 0.2
+    """PPO clip range (`pg_clip`)."""
+    ratio_cap: float = 3.0
+    """Truncation of the importance ratio (`is_ratio_cap`), see the module docstring."""
+    old_logprobs: str = "engine"
+    """engine | recompute."""
+    kl_coef: float = 0.0
+    """k3 KL penalty to the reference (initial) weights (`init_kl_coef`); 0 loads no reference."""
+    entropy_coef: float = 0.0
+    """Entropy bonus (`entropy_loss_coef`)."""
+    ppo_epochs: int = 1
+    minibatch_size: int = 8
+    """Trajectories per optimizer step."""
+    microbatch_rows: int = 8
+    """Rows per micro-batch when there is no token budget."""
+    max_tokens_per_microbatch: int = 0
+    """Token budget (rows x longest row) of a micro-batch; 0 uses `microbatch_rows`."""
+
+    def __post_init__(self) -> None:
+        if self.old_logprobs not in OLD_LOGPROB_SOURCES:
+            raise ValueError(f"old_logprobs={self.old_logprobs!r}: must be one of {', '.join(OLD_LOGPROB_SOURCES)}")
+
+    @classmethod
+    def from_config(cls, cfg: RollstreamConfig) -> UpdateSettings:
+        args = cfg.actor_train.training_args
+        return cls(cfg.pg_clip, cfg.is_ratio_cap, cfg.old_logprobs, cfg.init_kl_coef, cfg.entropy_loss_coef,
+                   cfg.ppo_epochs, minibatch_size(cfg), args.per_device_train_batch_size,
+                   args.max_tokens_per_microbatch)
+
+
+def advantage_settings(cfg: RollstreamConfig) -> AdvantageSettings:
+    return AdvantageSettings(cfg.adv_estimator, cfg.adv_std_normalize, cfg.adv_std_floor, cfg.gamma,
+                             cfg.gigpo_step_weight)
+
+
+class PolicyLearner:
+    """The `Learner` for `torch_train` and `deepspeed_train`: trains `strategy`'s model on each batch."""
+
+    def __init__(self, cfg: RollstreamConfig, strategy: TrainStrategy) -> None:
+        self.cfg = cfg
+        self.strategy = strategy
+        self.settings = UpdateSettings.from_config(cfg)
+        self.advantages = advantage_settings(cfg)
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.pretrain)
+        self.weights_dir = Path(cfg.output_dir) / "weights"
+        self.generator = torch.Generator().manual_seed(cfg.seed)
+        """Shuffles mini-batches; its state is part of a checkpoint."""
+        self.reference = load_reference(cfg, strategy.device) if self.settings.kl_coef > 0 else None
+        self.steps_done = 0
+
+    def train_step(self, batch: Batch) -> dict[str, float]:
+        """Advantages, token tensors, PPO update; returns metrics namespaced loss/, actor/, adv/, time/."""
+        start = time.monotonic()
+        groups = [g.trajectories for g in batch.groups]
+        trajs = [t for group in groups for t in group]
+        advantages = compute_advantages(groups, self.advantages)
+        tokens = build_token_batch(trajs, advantages, whiten=self.cfg.whiten_advantages, clip=self.cfg.adv_clip)
+        check_trainable(tokens, batch.step)
+        metrics = advantage_stats(tokens)
+        metrics["time/advantages_s"] = time.monotonic() - start
+        metrics |= ppo_update(self.strategy, tokens, self.settings, self.generator, self.reference)
+        self.steps_done += 1
+        return metrics
+
+    def publish(self, version: int) -> dict[str, str | int]:
+        """Write `version` as a HF safetensors directory <output_dir>/weights/v<version>, atomically."""
+        final = self.weights_dir / f"v{version}"
+        if final.exists():
+            # Published by an earlier run that crashed before committing the step: the version was never
+            # announced (announcing is part of the commit), so no producer loads it and it can be replaced.
+            log.warning("replacing unannounced weights %s left by an interrupted run", final)
+            shutil.rmtree(_move_aside(final), ignore_errors=True)
+        digest = self.strategy.publish_weights(final, self.tokenizer)
+        return {"uri": final.resolve().as_uri(), "digest": digest}
+
+    def save_checkpoint(self, directory: str | os.PathLike[str]) -> None:
+        """Model, optimizer, lr schedule, RNG and step count into `directory`, replaced atomically."""
+        final = Path(directory)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = final.parent / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
+        (tmp / "strategy").mkdir(parents=True)
+        try:
+            self.strategy.save_checkpoint(tmp / "strategy")
+            torch.save({"steps_done": self.steps_done, "rng": capture_rng(self.generator)}, tmp / LEARNER_STATE_FILE)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        # The old checkpoint is moved aside, not deleted, until the new one holds its name.
+        previous = _move_aside(final) if final.exists() else None
+        os.rename(tmp, final)
+        if previous is not None:
+            shutil.rmtree(previous, ignore_errors=True)
+
+    def load_checkpoint(self, directory: str | os.PathLike[str]) -> None:
+        root = Path(directory)
+        self.strategy.load_checkpoint(root / "strategy")
+        state = torch.load(root / LEARNER_STATE_FILE, weights_only=True)
+        self.steps_done = int(state["steps_done"])
+        restore_rng(state["rng"], self.generator)
+
+    def close(self) -> None:
+        self.reference = None
+        self.strategy.close()
+
+
+def check_trainable(tokens: TokenBatch, step: int) -> None:
+    """Refuse batches the loss would silently mistrain on."""
+    if tokens.num_response_tokens == 0:
+        raise ValueError(f"batch of step {step} has no response tokens: a training strategy needs a policy that "
+                         "records token ids (hf_infer or vllm), not the scripted one")
+    # A policy that records no logprobs leaves 0.0 (probability 1) on every generated token; both old-logprob
+    # modes compare against them, and exp(logp - 0) would read as a hugely stale behaviour policy.
+    if bool((tokens.behaviour_logprobs[tokens.response_mask > 0] == 0).all()):
+        raise ValueError(f"batch of step {step}: every generated token has engine logprob 0.0, so the policy did "
+                         "not record logprobs; the importance ratio needs them")
+
+
+def load_reference(cfg: RollstreamConfig, device: torch.device) -> Forward:
+    """The initial weights (`pretrain`), frozen, for the KL penalty."""
+    dtype = torch.bfloat16 if cfg.actor_train.model_args.dtype == "bf16" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(cfg.pretrain, dtype=dtype,
+                                                 attn_implementation=cfg.actor_train.model_args.attn_implementation)
+    model = model.to(device).eval().requires_grad_(False)
+
+    def forward(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        return out.logits  # type: ignore[no-any-return]
+
+    return forward
+
+
+def advantage_stats(tokens: TokenBatch) -> dict[str, float]:
+    values = tokens.advantages[tokens.response_mask > 0]
+    return {"adv/mean": float(values.mean()), "adv/std": float(values.std(correction=0)),
+            "adv/min": float(values.min()), "adv/max": float(values.max())}
+
+
+@torch.no_grad()
+def frozen_logprobs(forward: Forward, tokens: TokenBatch, settings: UpdateSettings,
+                    device: torch.device) -> torch.Tensor:
+    """Logprobs of every target token under `forward`, micro-batch by micro-batch, as one (B, T - 1) tensor."""
+    out = torch.zeros_like(tokens.response_mask)
+    lengths = tokens.lengths.tolist()
+    for rows in microbatch_indices(lengths, torch.arange(tokens.num_rows),
+                                   max_tokens=settings.max_tokens_per_microbatch, max_rows=settings.microbatch_rows):
+        part = tokens.rows(rows).to(device)
+        logprobs = token_logprobs(forward(part.input_ids, part.attention_mask), part.input_ids)
+        out[rows, : logprobs.shape[1]] = logprobs.float().cpu()
+    return out * tokens.response_mask
+
+
+def microbatch_loss(logits: torch.Tensor, part: TokenBatch, settings: UpdateSettings,
+                    normalizer: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The loss of one micro-batch, scaled so that summing over a mini-batch gives token means; and sums for metrics."""
+    mask = part.response_mask
+    logprobs = token_logprobs(logits, part.input_ids)
+    # The ratio's anchor, and the off-policy weight where the anchor is not the behaviour policy.
+    if settings.old_logprobs == "engine":
+        old, weights = part.behaviour_logprobs, None
+    else:
+        assert part.old_logprobs is not None
+        old = part.old_logprobs
+        weights = truncated_importance_weights(old, part.behaviour_logprobs, settings.ratio_cap)
+    pg = ppo_policy_loss(logprobs, old, part.advantages, clip_eps=settings.clip_eps, ratio_cap=settings.ratio_cap,
+                         weights=weights)
+    loss = masked_sum(pg.loss, mask) / normalizer
+    sums = {"pg": masked_sum(pg.loss, mask).detach(), "clip": masked_sum(pg.clipped, mask),
+            "truncated": masked_sum(pg.truncated, mask), "ratio": masked_sum(pg.ratio, mask),
+            "approx_kl": masked_sum(approx_kl(logprobs.detach(), old), mask)}
+    if weights is not None:
+        sums["is_weight"] = masked_sum(weights, mask)
+    if settings.kl_coef > 0:
+        assert part.ref_logprobs is not None
+        kl = masked_sum(kl_k3(logprobs, part.ref_logprobs), mask)
+        loss = loss + settings.kl_coef * kl / normalizer
+        sums["kl"] = kl.detach()
+    # The entropy keeps its graph only when it is part of the loss.
+    with torch.set_grad_enabled(settings.entropy_coef != 0 and torch.is_grad_enabled()):
+        entropy = masked_sum(token_entropy(logits), mask)
+    if settings.entropy_coef != 0:
+        loss = loss - settings.entropy_coef * entropy / normalizer
+    sums["entropy"] = entropy.detach()
+    sums["ratio_max"] = (pg.ratio * mask).max()
+    return loss, sums
+
+
+@dataclass
+class Tally:
+    """What the micro-batches and optimizer steps of one update add up to; token-weighted means at the end."""
+
+    sums: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    ratio_max: float = 0.0
+    grad_norms: list[float] = field(default_factory=list)
+    lrs: list[float] = field(default_factory=list)
+    tokens_seen: int = 0
+    """Every token the model ran forward and backward on, prompts included (for tokens_per_s)."""
+
+    def add_microbatch(self, sums: dict[str, torch.Tensor], part: TokenBatch) -> None:
+        for key, value in sums.items():
+            if key == "ratio_max":
+                self.ratio_max = max(self.ratio_max, float(value))
+            else:
+                self.sums[key] += float(value)
+        self.sums["tokens"] += float(part.response_mask.sum())
+        self.tokens_seen += int(part.attention_mask.sum())
+
+    def add_step(self, lr: float, grad_norm: float) -> None:
+        self.lrs.append(lr)
+        self.grad_norms.append(grad_norm)
+
+    def metrics(self, update_s: float) -> dict[str, float]:
+        n = max(self.sums["tokens"], 1.0)
+        out = {
+            "loss/pg": self.sums["pg"] / n,
+            "loss/kl": self.sums["kl"] / n,
+            "loss/entropy": self.sums["entropy"] / n,
+            "actor/clip_frac": self.sums["clip"] / n,
+            "actor/truncated_frac": self.sums["truncated"] / n,
+            "actor/approx_kl": self.sums["approx_kl"] / n,
+            "actor/ratio_mean": self.sums["ratio"] / n,
+            "actor/ratio_max": self.ratio_max,
+            "actor/grad_norm": float(np.mean(self.grad_norms)) if self.grad_norms else 0.0,
+            "actor/optimizer_steps": float(len(self.grad_norms)),
+            "actor/tokens_per_s": self.tokens_seen / update_s if update_s > 0 else 0.0,
+        }
+        if self.lrs:
+            out["actor/lr"] = self.lrs[-1]
+        if "is_weight" in self.sums:
+            out["actor/is_weight_mean"] = self.sums["is_weight"] / n
+        return out
+
+
+def ppo_update(strategy: TrainStrategy, tokens: TokenBatch, settings: UpdateSettings, generator: torch.Generator,
+               reference: Forward | None = None) -> dict[str, float]:
+    """PPO epochs over shuffled mini-batches of `tokens`, one optimizer step per mini-batch; returns metrics."""
+    start = time.monotonic()
+    # Old and reference logprobs come from the weights as they are before this step's first update.
+    if settings.old_logprobs == "recompute":
+        tokens.old_logprobs = frozen_logprobs(strategy.forward, tokens, settings, strategy.device)
+    if reference is not None:
+        tokens.ref_logprobs = frozen_logprobs(reference, tokens, settings, strategy.device)
+    logprobs_done = time.monotonic()
+
+    tally = Tally()
+    lengths = tokens.lengths.tolist()
+    for _epoch in range(settings.ppo_epochs):
+        for minibatch in minibatch_indices(tokens.num_rows, settings.minibatch_size, generator):
+            # Every micro-batch's loss is divided by the mini-batch's token count: accumulated, a token mean.
+            normalizer = float(tokens.response_mask[minibatch].sum())
+            if normalizer == 0:
+                continue  # nothing generated in these rows: no gradient, no step
+            for rows in microbatch_indices(lengths, minibatch, max_tokens=settings.max_tokens_per_microbatch,
+                                           max_rows=settings.microbatch_rows):
+                part = tokens.rows(rows).to(strategy.device)
+                logits = strategy.forward(part.input_ids, part.attention_mask)
+                loss, sums = microbatch_loss(logits, part, settings, normalizer)
+                strategy.backward(loss)
+                tally.add_microbatch(sums, part)
+            tally.add_step(strategy.lr, strategy.optimizer_step())
+    update_s = time.monotonic() - logprobs_done
+    return {"actor/lr": strategy.lr, **tally.metrics(update_s),
+            "time/logprobs_s": logprobs_done - start, "time/update_s": update_s}
+
+
+def capture_rng(generator: torch.Generator) -> dict[str, Any]:
+    """Every RNG a training process draws from, as tensors and plain values (loadable with weights_only)."""
+    np_state = np.random.get_state()
+    py_version, py_state, py_gauss = random.getstate()
+    return {
+        "shuffle": generator.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "numpy": {"keys": torch.from_numpy(np.asarray(np_state[1], np.int64)), "pos": int(np_state[2]),
+                  "has_gauss": int(np_state[3]), "cached_gaussian": float(np_state[4])},
+        "python": {"version": py_version, "state": torch.tensor(py_state, dtype=torch.int64), "gauss": py_gauss},
+    }
+
+
+def restore_rng(state: dict[str, Any], generator: torch.Generator) -> None:
+    generator.set_state(state["shuffle"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    np_state = state["numpy"]
+    np.random.set_state(("MT19937", np_state["keys"].numpy().astype(np.uint32), np_state["pos"],
+                         np_state["has_gauss"], np_state["cached_gaussian"]))
+    py = state["python"]
+    random.setstate((py["version"], tuple(int(x) for x in py["state"].tolist()), py["gauss"]))
+
+
+def _move_aside(path: Path) -> Path:
+    """Rename `path` to a hidden sibling (to delete), so nobody sees a half-deleted directory under its name."""
+    trash = path.parent / f".trash-{path.name}-{uuid.uuid4().hex[:8]}"
+    os.rename(path, trash)
+    return trash

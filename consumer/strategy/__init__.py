@@ -1,0 +1,163 @@
+"""Training strategies: where the model lives and how one optimizer step is taken.
+
+A strategy owns the model, the optimizer and the lr schedule, and offers the few primitives the PPO loop in
+`consumer.policy_learner` needs: a forward pass to logits, backward, an optimizer step, weight publication and
+checkpoints. The loop only ever hands it tensors, so a multi-rank strategy can run the same loop on every rank
+over its share of a batch (see `deepspeed_strategy` for what that path still needs).
+
+- `torch_train`: one device, plain torch AdamW (`strategy_config.device`, default cuda when available).
+- `deepspeed_train`: a DeepSpeed ZeRO engine (`strategy_config.zero_stage` 1, 2 or 3, default 2) with torch's
+  AdamW, in one process (gloo on CPU, nccl on one GPU).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel, get_scheduler
+
+from shared.config import ConfigError, RollstreamConfig
+
+TRAIN_DTYPES = ("fp32", "bf16")
+LR_SCHEDULERS = ("constant", "linear", "cosine")
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    model_dir: str
+    """A Hugging Face directory (`pretrain`)."""
+    dtype: str = "fp32"
+    """fp32, or bf16 (mixed precision: fp32 master weights, bf16 compute)."""
+    attn_implementation: str = "sdpa"
+    gradient_checkpointing: bool = False
+
+    @classmethod
+    def from_config(cls, cfg: RollstreamConfig) -> ModelSettings:
+        if not cfg.pretrain:
+            raise ConfigError("pretrain is unset: a training strategy needs the model directory to start from")
+        args = cfg.actor_train.model_args
+        if args.dtype not in TRAIN_DTYPES:
+            raise ConfigError(f"actor_train.model_args.dtype={args.dtype!r}: must be one of {', '.join(TRAIN_DTYPES)}")
+        return cls(cfg.pretrain, args.dtype, args.attn_implementation, not args.disable_gradient_checkpointing)
+
+
+@dataclass(frozen=True)
+class OptimSettings:
+    learning_rate: float
+    total_steps: int
+    """Optimizer steps over the whole run, for the linear and cosine schedules."""
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this; 0 disables clipping (the norm is still reported)."""
+    warmup_steps: int = 0
+    lr_scheduler_type: str = "constant"
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+
+    @classmethod
+    def from_config(cls, cfg: RollstreamConfig) -> OptimSettings:
+        args = cfg.actor_train.training_args
+        if args.lr_scheduler_type not in LR_SCHEDULERS:
+            raise ConfigError(f"actor_train.training_args.lr_scheduler_type={args.lr_scheduler_type!r}: "
+                              f"must be one of {', '.join(LR_SCHEDULERS)}")
+        total = cfg.max_steps * cfg.ppo_epochs * optimizer_steps_per_epoch(cfg)
+        return cls(args.learning_rate, total, args.weight_decay, args.max_grad_norm, args.warmup_steps,
+                   args.lr_scheduler_type)
+
+
+def minibatch_size(cfg: RollstreamConfig) -> int:
+    """Trajectories per optimizer step: per_device_train_batch_size x gradient_accumulation_steps (one rank)."""
+    args = cfg.actor_train.training_args
+    return args.per_device_train_batch_size * args.gradient_accumulation_steps
+
+
+def optimizer_steps_per_epoch(cfg: RollstreamConfig) -> int:
+    return math.ceil(cfg.rollout_batch_size / minibatch_size(cfg))
+
+
+def load_model(settings: ModelSettings) -> PreTrainedModel:
+    """The policy in fp32 (bf16 runs keep fp32 master weights), ready to train."""
+    model = AutoModelForCausalLM.from_pretrained(
+        settings.model_dir, dtype=torch.float32, attn_implementation=settings.attn_implementation
+    )
+    if settings.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    # Train mode only matters for gradient checkpointing: Qwen2-style configs have no dropout, so the recomputed
+    # and the behaviour logprobs of an unchanged model agree. Forwards pass use_cache=False themselves; the
+    # config is left alone because it is published with the weights.
+    model.train()
+    return model  # type: ignore[no-any-return]
+
+
+def make_scheduler(optimizer: Any, settings: OptimSettings) -> torch.optim.lr_scheduler.LRScheduler:
+    """transformers' schedules, stepped once per optimizer step. Its "constant" ignores warmup, so a constant
+    schedule with warmup steps becomes "constant_with_warmup"."""
+    name = settings.lr_scheduler_type
+    if name == "constant" and settings.warmup_steps > 0:
+        name = "constant_with_warmup"
+    return get_scheduler(name, optimizer, num_warmup_steps=settings.warmup_steps,  # type: ignore[no-any-return]
+                         num_training_steps=max(settings.total_steps, 1))
+
+
+class TrainStrategy(Protocol):
+    model: PreTrainedModel
+    """The unwrapped transformers model."""
+    device: torch.device
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Logits (B, T, V) from the training model (with grad unless the caller disables it)."""
+        ...
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Accumulate the gradient of `loss` (already scaled by the caller for accumulation)."""
+        ...
+
+    def optimizer_step(self) -> float:
+        """Clip, step the optimizer and the lr schedule, zero the gradients; returns the pre-clip grad norm."""
+        ...
+
+    @property
+    def lr(self) -> float:
+        """The learning rate the next optimizer step uses."""
+        ...
+
+    def publish_weights(self, final_dir: Path, tokenizer: Any) -> str:
+        """Write the full weights and the tokenizer as a HF directory, atomically; returns its digest."""
+        ...
+
+    def save_checkpoint(self, directory: Path) -> None:
+        """Model, optimizer and lr schedule into `directory` (which exists and is empty)."""
+        ...
+
+    def load_checkpoint(self, directory: Path) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def make_strategy(cfg: RollstreamConfig) -> TrainStrategy:
+    """The strategy `actor_train.strategy_args.strategy_name` names, set up from the config."""
+    name = cfg.actor_train.strategy_args.strategy_name
+    options = dict(cfg.actor_train.strategy_args.strategy_config)
+    model, optim = ModelSettings.from_config(cfg), OptimSettings.from_config(cfg)
+    if name == "torch_train":
+        from consumer.strategy.torch_strategy import TorchStrategy
+
+        return TorchStrategy(model, optim, **_options(name, options, ("device",)))
+    if name == "deepspeed_train":
+        from consumer.strategy.deepspeed_strategy import DeepSpeedStrategy
+
+        return DeepSpeedStrategy(model, optim, **_options(name, options, ("zero_stage",)),
+                                 micro_batch_size=cfg.actor_train.training_args.per_device_train_batch_size)
+    raise ConfigError(f"actor_train.strategy_args.strategy_name={name!r}: must be torch_train or deepspeed_train")
+
+
+def _options(name: str, options: dict[str, Any], known: tuple[str, ...]) -> dict[str, Any]:
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise ConfigError(f"actor_train.strategy_args.strategy_config: unknown key(s) {', '.join(unknown)} for "
+                          f"{name}; valid: {', '.join(known)}")
+    return options

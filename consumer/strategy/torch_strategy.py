@@ -1,0 +1,84 @@
+"""`torch_train`: the policy on one device (CPU or one GPU) with torch's AdamW. No distributed state at all."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from consumer.strategy import ModelSettings, OptimSettings, load_model, make_scheduler
+from shared.config import ConfigError
+from shared.weights_io import save_pretrained_atomically
+
+CHECKPOINT_FILE = "torch_strategy.pt"
+
+
+def pick_device(device: str | None) -> torch.device:
+    """`device` as given, else cuda when there is one, else cpu."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        picked = torch.device(device)
+    except RuntimeError as e:
+        raise ConfigError(f"actor_train.strategy_args.strategy_config.device={device!r}: {e}") from None
+    if picked.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"actor_train.strategy_args.strategy_config.device={device!r}: no CUDA device here")
+    return picked
+
+
+class TorchStrategy:
+    def __init__(self, model: ModelSettings, optim: OptimSettings, *, device: str | None = None) -> None:
+        self.device = pick_device(device)
+        self.model = load_model(model).to(self.device)
+        self.optim = optim
+        # bf16 is mixed precision: the parameters and the optimizer stay fp32, the forward runs under autocast.
+        self.autocast_dtype = torch.bfloat16 if model.dtype == "bf16" else None
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=optim.learning_rate, betas=optim.betas, eps=optim.eps,
+            weight_decay=optim.weight_decay,
+        )
+        self.scheduler = make_scheduler(self.optimizer, optim)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        autocast = (torch.autocast(self.device.type, dtype=self.autocast_dtype) if self.autocast_dtype
+                    else contextlib.nullcontext())
+        with autocast:
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        return out.logits  # type: ignore[no-any-return]
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def optimizer_step(self) -> float:
+        max_norm = self.optim.max_grad_norm if self.optim.max_grad_norm > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm)
+
+    @property
+    def lr(self) -> float:
+        return float(self.scheduler.get_last_lr()[0])
+
+    def publish_weights(self, final_dir: Path, tokenizer: Any) -> str:
+        return save_pretrained_atomically(self.model, final_dir, tokenizer=tokenizer)
+
+    def save_checkpoint(self, directory: Path) -> None:
+        state = {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+        }
+        torch.save(state, directory / CHECKPOINT_FILE)
+
+    def load_checkpoint(self, directory: Path) -> None:
+        state = torch.load(directory / CHECKPOINT_FILE, map_location=self.device, weights_only=True)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+
+    def close(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)

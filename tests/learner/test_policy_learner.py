@@ -1,0 +1,193 @@
+"""The learner on a real tiny model with the torch strategy: it learns, publishes, and resumes exactly."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from consumer.advantages import AdvantageSettings, compute_advantages
+from consumer.learner import make_learner
+from consumer.policy_learner import PolicyLearner
+from consumer.strategy import make_strategy
+from consumer.tensors import build_token_batch
+from shared.config import ConfigError
+from shared.schema import Trajectory
+from shared.weights_io import verify_digest, weights_path_from_uri
+
+from .helpers import (TinySampler, learner_config, make_batch, sample_single_turn_groups,
+                      sample_two_turn_group)
+
+METRICS = ("loss/pg", "loss/kl", "loss/entropy", "actor/clip_frac", "actor/approx_kl", "actor/grad_norm",
+           "actor/lr", "adv/mean", "adv/std", "adv/min", "adv/max", "actor/ratio_mean", "actor/tokens_per_s",
+           "time/advantages_s", "time/update_s")
+
+
+def even_first_token(reply: list[int]) -> float:
+    """The rule the policy should learn: a reply that starts with an even token id is rewarded."""
+    return 1.0 if reply and reply[0] % 2 == 0 else 0.0
+
+
+@pytest.fixture(scope="module")
+def sampler(tiny_model: Path) -> TinySampler:
+    return TinySampler(tiny_model, seed=3)
+
+
+@pytest.fixture(scope="module")
+def groups(sampler: TinySampler) -> list[list[Trajectory]]:
+    groups = sample_single_turn_groups(sampler, groups=2, group_size=4, reward=even_first_token)
+    # Both groups need rewarded and unrewarded replies, or their advantages are all 0.
+    assert all(0 < sum(t.score for t in g) < len(g) for g in groups)
+    return groups
+
+
+def torch_learner(tmp_path: Path, model: Path, *overrides: str) -> PolicyLearner:
+    cfg = learner_config(tmp_path, model, "torch_train", *overrides)
+    learner = make_learner(cfg)
+    assert isinstance(learner, PolicyLearner)
+    return learner
+
+
+def params(learner: PolicyLearner) -> dict[str, torch.Tensor]:
+    return {k: v.detach().cpu().clone() for k, v in learner.strategy.model.state_dict().items()}
+
+
+def test_rewarded_replies_gain_probability(tmp_path: Path, tiny_model: Path, sampler: TinySampler,
+                                           groups: list[list[Trajectory]]) -> None:
+    learner = torch_learner(tmp_path, tiny_model)
+    trajs = [t for g in groups for t in g]
+    before = [sampler.reply_logprob(t) for t in trajs]
+    history = [learner.train_step(make_batch(groups, step)) for step in range(6)]
+    after = [sampler.reply_logprob(t, learner.strategy.model) for t in trajs]
+    learner.close()
+
+    for metrics in history:
+        assert set(METRICS) <= set(metrics) and all(np.isfinite(v) for v in metrics.values())
+    # The surrogate falls as the replayed batch is fitted; clipping starts to bite.
+    assert history[-1]["loss/pg"] < history[0]["loss/pg"] - 0.05
+    assert history[-1]["actor/clip_frac"] > 0
+    gain = np.array(after) - np.array(before)
+    rewarded = np.array([t.score > 0 for t in trajs])
+    assert gain[rewarded].mean() > 0.2, gain
+    assert gain[~rewarded].mean() < -0.2, gain
+
+
+def test_micro_batching_does_not_change_the_update(tmp_path: Path, tiny_model: Path,
+                                                   groups: list[list[Trajectory]]) -> None:
+    """Micro-batches of any size give the same gradient: each loss is scaled by the mini-batch's token count."""
+    whole = torch_learner(tmp_path / "a", tiny_model)
+    one_row_each = torch_learner(tmp_path / "b", tiny_model, "actor_train.training_args.max_tokens_per_microbatch=1")
+    m_whole = whole.train_step(make_batch(groups))
+    m_rows = one_row_each.train_step(make_batch(groups))
+    assert m_whole["loss/pg"] == pytest.approx(m_rows["loss/pg"], rel=1e-5, abs=1e-7)
+    assert m_whole["actor/grad_norm"] == pytest.approx(m_rows["actor/grad_norm"], rel=1e-4)
+    # Adam's first step is about lr x sign(gradient), so float noise in near-zero gradients shows up as a few
+    # differences of ~1e-6 against steps of 1e-3 (lr).
+    a, b = params(whole), params(one_row_each)
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-5)
+    whole.close()
+    one_row_each.close()
+
+
+def test_gigpo_recompute_kl_and_entropy_together(tmp_path: Path, tiny_model: Path, sampler: TinySampler) -> None:
+    """Two-turn episodes with per-turn GiGPO advantages, recomputed old logprobs, a KL penalty and an entropy
+    bonus, two PPO epochs of two mini-batches each."""
+    observations = ["Turn 2\nState:\n_P\n_G", "Turn 2\nState:\n__\nPG"]
+    groups = [sample_two_turn_group(sampler, g, 4, observations, even_first_token) for g in range(2)]
+    learner = torch_learner(tmp_path, tiny_model, "adv_estimator=gigpo", "gamma=0.9", "old_logprobs=recompute",
+                            "init_kl_coef=0.1", "entropy_loss_coef=0.01", "ppo_epochs=2",
+                            "actor_train.training_args.max_tokens_per_microbatch=200")
+    # The per-turn advantages reach the tokens of their own turn only.
+    advantages = compute_advantages(groups, AdvantageSettings("gigpo", gamma=0.9))
+    tokens = build_token_batch([t for g in groups for t in g], advantages)
+    first = groups[0][0]
+    (s1, e1), (s2, e2) = (turn.response_span for turn in first.turns)
+    np.testing.assert_allclose(tokens.advantages[0, s1 - 1:e1 - 1], advantages[0][0], rtol=1e-6)
+    np.testing.assert_allclose(tokens.advantages[0, s2 - 1:e2 - 1], advantages[0][1], rtol=1e-6)
+
+    metrics = learner.train_step(make_batch(groups))
+    learner.close()
+    assert all(np.isfinite(v) for v in metrics.values())
+    assert metrics["actor/optimizer_steps"] == 4
+    assert metrics["loss/kl"] > 0  # the policy moved away from the reference during the step
+    assert metrics["loss/entropy"] > 0
+    # The sampler is the initial policy, so pi_old / mu is 1 up to float noise.
+    assert metrics["actor/is_weight_mean"] == pytest.approx(1.0, abs=1e-3)
+
+
+def test_publish_writes_a_loadable_verified_directory(tmp_path: Path, tiny_model: Path,
+                                                      groups: list[list[Trajectory]]) -> None:
+    learner = torch_learner(tmp_path, tiny_model)
+    learner.train_step(make_batch(groups))
+    announced = learner.publish(1)
+    path = weights_path_from_uri(str(announced["uri"]))
+    assert str(announced["uri"]).startswith("file://") and path == tmp_path / "out" / "weights" / "v1"
+    verify_digest(path, str(announced["digest"]))
+    loaded = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    for name, value in learner.strategy.model.state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[name], value.cpu())
+    published, original = AutoTokenizer.from_pretrained(path), AutoTokenizer.from_pretrained(tiny_model)
+    assert published.encode("<think>Go</think>") == original.encode("<think>Go</think>")
+
+    # A version left by a run that crashed before announcing it is replaced, not an error.
+    learner.train_step(make_batch(groups, 1))
+    again = learner.publish(1)
+    verify_digest(path, str(again["digest"]))
+    assert again["digest"] != announced["digest"]
+    learner.close()
+
+
+def test_checkpoint_round_trip_resumes_exactly(tmp_path: Path, tiny_model: Path,
+                                               groups: list[list[Trajectory]]) -> None:
+    """Save after one step; a fresh learner loaded from it takes the next step exactly as the original did."""
+    overrides = ("actor_train.training_args.per_device_train_batch_size=2", "ppo_epochs=2",
+                 "actor_train.training_args.warmup_steps=3", "actor_train.training_args.lr_scheduler_type=cosine")
+    original = torch_learner(tmp_path / "a", tiny_model, *overrides)
+    original.train_step(make_batch(groups, 0))
+    original.save_checkpoint(tmp_path / "ckpt")
+    expected_rng = torch.rand(3)
+    torch.manual_seed(12345)  # disturb the global RNG: loading must restore it
+    m_next = original.train_step(make_batch(groups, 1))
+    p_next = params(original)
+    opt_next = original.strategy.optimizer.state_dict()  # type: ignore[attr-defined]
+    original.close()
+
+    resumed = torch_learner(tmp_path / "b", tiny_model, *overrides)
+    resumed.load_checkpoint(tmp_path / "ckpt")
+    assert resumed.steps_done == 1
+    assert resumed.strategy.scheduler.last_epoch == 8  # type: ignore[attr-defined]  # 2 epochs x 4 mini-batches
+    assert torch.equal(torch.rand(3), expected_rng)
+    torch.manual_seed(12345)
+    m_resumed = resumed.train_step(make_batch(groups, 1))
+    assert m_resumed["loss/pg"] == m_next["loss/pg"] and m_resumed["actor/lr"] == m_next["actor/lr"]
+    for name, value in params(resumed).items():
+        assert torch.equal(value, p_next[name]), name
+    state = resumed.strategy.optimizer.state_dict()  # type: ignore[attr-defined]
+    for key, slot in opt_next["state"].items():
+        assert torch.equal(state["state"][key]["exp_avg_sq"], slot["exp_avg_sq"])
+    resumed.close()
+
+
+def test_make_strategy_names_bad_options(tmp_path: Path, tiny_model: Path) -> None:
+    cfg = learner_config(tmp_path, tiny_model, "torch_train", "actor_train.strategy_args.strategy_config={gpus: 2}")
+    with pytest.raises(ConfigError, match="unknown key.*gpus.*valid: device"):
+        make_strategy(cfg)
+    cfg = learner_config(tmp_path, tiny_model, "deepspeed_train",
+                         "actor_train.strategy_args.strategy_config={zero_stage: 4}")
+    with pytest.raises(ConfigError, match="zero_stage=4"):
+        make_strategy(cfg)
+
+
+def test_batches_without_engine_logprobs_are_refused(tmp_path: Path, tiny_model: Path,
+                                                     groups: list[list[Trajectory]]) -> None:
+    # A policy that records no logprobs leaves 0.0 everywhere; the importance ratio would read it as staleness.
+    blank = [[dataclasses.replace(t, logprobs=np.zeros_like(t.logprobs)) for t in g] for g in groups]
+    learner = torch_learner(tmp_path, tiny_model)
+    with pytest.raises(ValueError, match="engine logprob 0.0"):
+        learner.train_step(make_batch(blank))
+    learner.close()

@@ -1,0 +1,63 @@
+"""Padding, target alignment, per-token advantages and the micro-batch plan."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from consumer.tensors import build_token_batch, microbatch_indices, minibatch_indices, token_advantages
+
+from .helpers import make_trajectory
+
+
+def two_turns():
+    # prompt 0-1, reply 2-3, user 4, reply 5-6
+    return make_trajectory(0, 0, [10, 11, 12, 13, 14, 15, 16], [(2, 4), (5, 7)],
+                           {2: -0.2, 3: -0.3, 5: -0.5, 6: -0.6}, [("a", 0.0), ("b", 1.0)])
+
+
+def test_token_advantages_broadcast_or_per_turn() -> None:
+    t = two_turns()
+    np.testing.assert_array_equal(token_advantages(t, 2.0), [0, 0, 2, 2, 0, 2, 2])
+    np.testing.assert_array_equal(token_advantages(t, np.array([1.0, -1.0])), [0, 0, 1, 1, 0, -1, -1])
+
+
+def test_token_batch_is_aligned_on_targets_and_padded() -> None:
+    long, short = two_turns(), make_trajectory(0, 1, [20, 21, 22], [(2, 3)], {2: -1.0}, [("a", 0.0)])
+    tb = build_token_batch([long, short], [np.array([1.0, -1.0]), 3.0], pad_id=0)
+    assert tb.input_ids.shape == (2, 7) and tb.response_mask.shape == (2, 6)
+    # Column j is about token j + 1: the reply tokens at 2, 3, 5, 6 are targets 1, 2, 4, 5.
+    np.testing.assert_array_equal(tb.response_mask[0], [0, 1, 1, 0, 1, 1])
+    np.testing.assert_allclose(tb.behaviour_logprobs[0], [0, -0.2, -0.3, 0, -0.5, -0.6])
+    np.testing.assert_allclose(tb.advantages[0], [0, 1, 1, 0, -1, -1])
+    np.testing.assert_array_equal(tb.attention_mask[1], [1, 1, 1, 0, 0, 0, 0])
+    np.testing.assert_array_equal(tb.response_mask[1], [0, 1, 0, 0, 0, 0])
+    np.testing.assert_allclose(tb.advantages[1], [0, 3, 0, 0, 0, 0])
+    assert tb.num_response_tokens == 5
+    # Selecting rows trims the padding to the longest selected row.
+    only_short = tb.rows([1])
+    assert only_short.input_ids.shape == (1, 3) and only_short.advantages.shape == (1, 2)
+
+
+def test_whitening_and_clipping_apply_to_response_tokens_only() -> None:
+    long, short = two_turns(), make_trajectory(0, 1, [20, 21, 22], [(2, 3)], {2: -1.0}, [("a", 0.0)])
+    tb = build_token_batch([long, short], [5.0, -5.0], whiten=True, clip=1.5)
+    on = tb.advantages[tb.response_mask > 0]
+    # Response-token values [5, 5, 5, 5, -5] whiten to [0.5, 0.5, 0.5, 0.5, -2.0] -> clipped at -1.5.
+    np.testing.assert_allclose(on, [0.5, 0.5, 0.5, 0.5, -1.5], atol=1e-6)
+    assert float(tb.advantages[tb.response_mask == 0].abs().sum()) == 0.0
+
+
+def test_microbatches_by_token_budget() -> None:
+    lengths = [10, 3, 7, 2]
+    plan = microbatch_indices(lengths, torch.arange(4), max_tokens=14, max_rows=99)
+    assert [b.tolist() for b in plan] == [[0], [2, 1], [3]]
+    assert all(len(b) * max(lengths[i] for i in b.tolist()) <= 14 or len(b) == 1 for b in plan)
+    by_rows = microbatch_indices(lengths, torch.tensor([3, 1, 0]), max_tokens=0, max_rows=2)
+    assert [b.tolist() for b in by_rows] == [[3, 1], [0]]
+
+
+def test_minibatches_cover_every_row_once() -> None:
+    parts = minibatch_indices(10, 4, torch.Generator().manual_seed(0))
+    assert [len(p) for p in parts] == [4, 4, 2]
+    assert sorted(torch.cat(parts).tolist()) == list(range(10))
