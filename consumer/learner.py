@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Protocol
 
 from consumer.batcher import Batch
@@ -13,9 +14,16 @@ class Learner(Protocol):
         """Update the policy on one batch; returns metrics namespaced like `loss/pg`."""
         ...
 
-    def publish(self, version: int) -> dict[str, str | int]:
-        """Write the weights of `version` where producers can load them; returns {uri, digest}."""
+    def publish(self, version: int, suffix: str = "") -> dict[str, str | int]:
+        """Write the weights of `version` where producers can load them; returns {uri, digest}.
+        `suffix` names a re-publication of an already announced version (after a resume)."""
         ...
+
+    def save_checkpoint(self, directory: Path) -> None:
+        """Everything needed to continue training exactly: model, optimizer, schedule, RNG."""
+        ...
+
+    def load_checkpoint(self, directory: Path) -> None: ...
 
     def close(self) -> None: ...
 
@@ -30,8 +38,14 @@ class StatsOnlyLearner:
     def train_step(self, batch: Batch) -> dict[str, float]:
         return {}
 
-    def publish(self, version: int) -> dict[str, str | int]:
+    def publish(self, version: int, suffix: str = "") -> dict[str, str | int]:
         return {"uri": "", "digest": ""}
+
+    def save_checkpoint(self, directory: Path) -> None:
+        pass  # no state: the ledger in Redis is all there is to resume
+
+    def load_checkpoint(self, directory: Path) -> None:
+        pass
 
     def close(self) -> None:
         pass

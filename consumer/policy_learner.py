@@ -117,9 +117,9 @@ class PolicyLearner:
         self.steps_done += 1
         return metrics
 
-    def publish(self, version: int) -> dict[str, str | int]:
-        """Write `version` as a HF safetensors directory <output_dir>/weights/v<version>, atomically."""
-        final = self.weights_dir / f"v{version}"
+    def publish(self, version: int, suffix: str = "") -> dict[str, str | int]:
+        """Write `version` as a HF safetensors directory <output_dir>/weights/v<version><suffix>, atomically."""
+        final = self.weights_dir / f"v{version}{suffix}"
         if final.exists():
             # Published by an earlier run that crashed before committing the step: the version was never
             # announced (announcing is part of the commit), so no producer loads it and it can be replaced.

@@ -16,12 +16,13 @@ from tqdm import tqdm
 
 from consumer.batch_stats import rollout_stats
 from consumer.batcher import Batcher
+from consumer.checkpoints import checkpoint_dir, checkpoint_step, resume_path
 from consumer.learner import Learner, make_learner
 from consumer.metrics import MetricsLogger
 from consumer.validation import Validator
 from shared.codec import encode_trajectory
 from shared.config import RollstreamConfig
-from shared.ledger import reconciles
+from shared.ledger import Ledger, reconciles
 from shared.recording import Recorder
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ def run_trainer(cfg: RollstreamConfig, client: redis.Redis, *, consumer: str = "
     recorder = Recorder(cfg.record_to) if cfg.record_to else None
     validator = Validator(client, cfg, consumer) if cfg.eval_steps else None
     start = batcher.ledger.version()
+    resume(cfg, learner, batcher.ledger, start)
     bar = tqdm(total=cfg.max_steps, initial=start, desc="train", unit="step", disable=not progress,
                dynamic_ncols=True)
     try:
@@ -63,6 +65,8 @@ def run_trainer(cfg: RollstreamConfig, client: redis.Redis, *, consumer: str = "
             t1 = time.monotonic()
             announcement = learner.publish(step + 1)
             batcher.commit(batch, step + 1, announcement)
+            if (step + 1) % cfg.save_steps == 0 or step + 1 == cfg.max_steps:
+                learner.save_checkpoint(checkpoint_dir(cfg, step + 1))  # after the commit: ledger and model agree
             t2 = time.monotonic()
             if recorder:
                 for traj in batch.trajectories:
@@ -90,3 +94,28 @@ def run_trainer(cfg: RollstreamConfig, client: redis.Redis, *, consumer: str = "
     done = batcher.ledger.version()
     return TrainSummary(done - start, done, batcher.ledger.counters(), str(plot) if plot else None,
                         dict(metrics.history))
+
+
+def resume(cfg: RollstreamConfig, learner: Learner, ledger: Ledger, version: int) -> None:
+    """Load the checkpoint resume_from_checkpoint names and re-announce its weights under the ledger's version.
+
+    The ledger in Redis is the truth about data: groups it counts as trained were acknowledged and are never
+    trained again. A checkpoint older than the ledger (the trainer died between save_steps) therefore loses
+    the steps in between from the model, not from the count; the weights announced next are the model's.
+    """
+    path = resume_path(cfg)
+    if path is None:
+        if cfg.resume_from_checkpoint and version:
+            log.warning("resume_from_checkpoint is set but there is no checkpoint: continuing at version %d "
+                        "from %s", version, cfg.pretrain)
+        return
+    step = checkpoint_step(path)
+    if step > version:
+        raise RuntimeError(f"checkpoint {path} is at step {step} but the ledger in Redis is at version {version}: "
+                           "Redis lost committed steps (was it restarted without its AOF?)")
+    learner.load_checkpoint(path)
+    if step < version:
+        log.warning("resuming from %s: the model misses steps %d..%d (their groups were trained and acknowledged, "
+                    "so they are not trained again); lower save_steps to lose less", path, step + 1, version)
+        ledger.announce(version, learner.publish(version, suffix=f"-resumed-from-{step}"))
+    log.info("resumed from %s at version %d", path, version)

@@ -60,6 +60,7 @@ class EnvWorker:
         self.notified = asyncio.Event()
         """Set whenever the control or weights stream moves: a slot may be free or a version published."""
         self.version_loaded = asyncio.Condition()
+        self.loaded_digest = ""
         render = cfg.render_save_dir
         self.render_dir = Path(render) if render else None
         self.chat = chat_template_of(policy)
@@ -152,10 +153,12 @@ class EnvWorker:
                 self.notified.set()
 
     async def _load(self, fields: dict[bytes, bytes]) -> None:
-        version = int(fields[b"version"])
-        if version > self.policy.version:
-            await self.policy.load_weights(version, fields.get(b"uri", b"").decode(),
-                                           fields.get(b"digest", b"").decode())
+        version, digest = int(fields[b"version"]), fields.get(b"digest", b"").decode()
+        # A version announced again with other weights is a resumed trainer's model: load it too.
+        republished = version == self.policy.version and digest and digest != self.loaded_digest
+        if version > self.policy.version or republished:
+            await self.policy.load_weights(version, fields.get(b"uri", b"").decode(), digest)
+            self.loaded_digest = digest
             log.info("worker %d: loaded policy version %d", self.rank, version)
         async with self.version_loaded:
             self.version_loaded.notify_all()

@@ -121,6 +121,13 @@ class Ledger:
             pipe.xadd(k.control, {"kind": "version", "version": new_version}, maxlen=1000, approximate=True)
             pipe.execute()
 
+    def announce(self, version: int, announcement: dict[str, str | int]) -> None:
+        """Re-announce the weights of an already published version (a resumed trainer's model)."""
+        with self.client.pipeline(transaction=True) as pipe:
+            pipe.xadd(self.keys.weights, {"version": version, **announcement})
+            pipe.xadd(self.keys.control, {"kind": "version", "version": version}, maxlen=1000, approximate=True)
+            pipe.execute()
+
     def ack_orphans(self, entry_ids: Sequence[bytes | str], stream: str | None = None) -> None:
         """Entries of groups that already ended (duplicates, late members): ack, delete, count."""
         if not entry_ids:

@@ -26,6 +26,8 @@ class Recorder:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self.path.exists():
+            _cut_torn_tail(self.path)  # a writer killed mid-record leaves half a record behind
         fresh = not self.path.exists() or self.path.stat().st_size == 0
         self._file: IO[bytes] = open(self.path, "ab")
         self._packer = msgpack.Packer(use_bin_type=True)
@@ -66,6 +68,20 @@ def read_records(path: str | os.PathLike[str]) -> Iterator[dict[bytes, bytes | s
             raise CodecError(f"{path} has format version {header.get('version')}, expected {FORMAT_VERSION}")
         for record in unpacker:
             yield {_as_bytes(k): v for k, v in record.items()}
+
+
+def _cut_torn_tail(path: Path) -> None:
+    """Truncate the file after its last complete record."""
+    with open(path, "rb") as f:
+        unpacker = msgpack.Unpacker(f, raw=False, strict_map_key=False)
+        end = 0
+        try:
+            for _ in unpacker:
+                end = unpacker.tell()
+        except ValueError:  # garbage rather than a torn record: keep what decoded
+            pass
+    if end < path.stat().st_size:
+        os.truncate(path, end)
 
 
 def _as_bytes(key: bytes | str) -> bytes:

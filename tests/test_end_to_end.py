@@ -20,7 +20,7 @@ from shared.codec import decode_entry
 from shared.config import dump_config
 from shared.keys import Keys
 from shared.layout import plan_layout
-from shared.ledger import reconciles
+from shared.ledger import read_counters, reconciles
 from shared.recording import read_records
 from shared.schema import parse_group_id
 from tests.conftest import REPO, scripted_config
@@ -117,3 +117,36 @@ def _wait_for_partial_group(client: redis.Redis, keys: Keys, prefix: str, timeou
             return
         assert time.monotonic() < deadline, f"no partial {prefix}* group seen"
         time.sleep(0.005)
+
+
+def test_trainer_killed_mid_run_resumes_and_trains_no_group_twice(tmp_path, redis_server,
+                                                                  redis_client: redis.Redis) -> None:
+    from tests.harness import workers_in_thread
+
+    record = tmp_path / "trained.msgpack"
+    cfg = scripted_config(tmp_path, "exp_name=tkill", "max_steps=12", "async_generation_ratio=1", "save_steps=2",
+                          f"record_to={record}", "actor_infer.strategy_args.strategy_config.delay_s=0.005")
+    config_path = tmp_path / "config.yaml"
+    dump_config(cfg, config_path)
+    env = _env() | {"ROLLSTREAM_REDIS_URL": redis_server.url}
+    keys = Keys.for_exp("tkill")
+    trainer_cmd = [sys.executable, "-m", "shared.cli", "trainer", str(config_path)]
+    with workers_in_thread(cfg, redis_server.url):
+        first = subprocess.Popen(trainer_cmd, env=env, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 60
+        while int(redis_client.get(keys.version) or 0) < 4:
+            assert time.monotonic() < deadline and first.poll() is None, "the trainer made no progress"
+            time.sleep(0.01)
+        first.send_signal(signal.SIGKILL)  # mid-run: batches delivered, maybe mid-step
+        first.wait()
+        killed_at = int(redis_client.get(keys.version))
+        resumed = subprocess.run([*trainer_cmd, "resume_from_checkpoint=true"], env=env, capture_output=True,
+                                 text=True, timeout=120)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert 4 <= killed_at < 12
+    trajs = [decode_entry(r) for r in read_records(record)]
+    per_group = Counter(t.group_id for t in trajs)
+    assert set(per_group.values()) == {8}  # complete groups, none recorded (trained) twice
+    assert len({(t.group_id, t.member) for t in trajs}) == len(trajs)
+    counts = read_counters(redis_client, keys)
+    assert counts["trained"] == 12 * cfg.groups_per_batch and reconciles(counts)

@@ -46,3 +46,19 @@ def test_record_copies_the_backlog_without_consuming_it(redis_client, tmp_path) 
     assert redis_client.xlen(keys.traj) == 32
     copied = [decode_entry(r).traj_id for r in read_records(out)]
     assert copied == [decode_entry(r).traj_id for r in read_records(DATA)][:10]
+
+
+def test_a_recorder_reopened_after_a_torn_write_drops_the_half_record(tmp_path) -> None:
+    from shared.recording import Recorder
+
+    path = tmp_path / "r.msgpack"
+    records = list(read_records(DATA))[:3]
+    with Recorder(path) as rec:
+        rec.write(records[0])
+        rec.write(records[1])
+    with open(path, "r+b") as f:  # kill -9 in the middle of the second record
+        f.truncate(path.stat().st_size - 100)
+    with Recorder(path) as rec:
+        rec.write(records[2])
+    assert [decode_entry(r).traj_id for r in read_records(path)] == [decode_entry(r).traj_id
+                                                                     for r in (records[0], records[2])]

@@ -1,0 +1,52 @@
+"""Resuming the trainer: the checkpoint's model, the ledger's version, and the weights producers reload."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import redis
+import torch
+
+from consumer.checkpoints import checkpoint_dir
+from consumer.learner import make_learner
+from consumer.train import resume
+from shared.config import ConfigError
+from shared.keys import Keys
+from shared.ledger import Ledger
+from tests.learner.helpers import TinySampler, learner_config, make_batch, sample_single_turn_groups
+
+
+def _params(learner) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
+    return {k: v.detach().clone() for k, v in learner.strategy.model.state_dict().items()}
+
+
+def test_resume_from_an_older_checkpoint_reannounces_its_weights(tmp_path: Path, tiny_model: Path,
+                                                                 redis_client: redis.Redis) -> None:
+    groups = sample_single_turn_groups(TinySampler(tiny_model, seed=5), groups=2, group_size=4,
+                                       reward=lambda reply: float(bool(reply) and reply[0] % 2 == 0))
+    cfg = learner_config(tmp_path, tiny_model, "torch_train")
+    first = make_learner(cfg)
+    first.train_step(make_batch(groups, 0))
+    first.save_checkpoint(checkpoint_dir(cfg, 1))
+    saved = _params(first)
+    first.train_step(make_batch(groups, 1))  # step 2 is committed in Redis, then the trainer dies
+    ledger = Ledger(redis_client, Keys.for_exp(cfg.exp_name))
+    redis_client.set(ledger.keys.version, 2)
+
+    cfg.resume_from_checkpoint = True
+    second = make_learner(cfg)
+    resume(cfg, second, ledger, version=2)
+    assert all(torch.equal(saved[k], v) for k, v in _params(second).items())
+    [(_, announced)] = redis_client.xrevrange(ledger.keys.weights, count=1)
+    assert announced[b"version"] == b"2" and announced[b"uri"].endswith(b"/weights/v2-resumed-from-1")
+
+    redis_client.set(ledger.keys.version, 0)  # Redis lost committed steps: refuse, do not guess
+    with pytest.raises(RuntimeError, match="at step 1 but the ledger in Redis is at version 0"):
+        resume(cfg, second, ledger, version=0)
+
+
+def test_a_resume_path_that_is_not_a_checkpoint_is_a_config_error(tmp_path: Path, tiny_model: Path) -> None:
+    cfg = learner_config(tmp_path, tiny_model, "torch_train", f"resume_from_checkpoint={tmp_path}")
+    with pytest.raises(ConfigError, match="not a checkpoint dir"):
+        resume(cfg, make_learner(cfg), None, version=0)  # type: ignore[arg-type]
