@@ -2,7 +2,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-CONFIG ?= configs/frozen_lake_scripted.yaml
+CONFIG ?= configs/frozen_lake.yaml
 
 .PHONY: setup run test bench clean
 
