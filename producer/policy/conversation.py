@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from producer.policy.base import Generation
+from producer.policy.base import GenerateRequest, Generation
 
 _PROBE_USER = "probe-user"
 _PROBE_REPLY = "probe-reply"
@@ -25,6 +25,13 @@ def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]
     """Messages templated with the generation prompt, then tokenized (the template holds the special tokens)."""
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return list(tokenizer.encode(str(text), add_special_tokens=False))
+
+
+def request_prompt_ids(tokenizer: Any, request: GenerateRequest) -> list[int]:
+    """The request's token ids, or its messages templated and tokenized when it carries none."""
+    if request.prompt_ids is not None:
+        return [int(t) for t in request.prompt_ids]
+    return chat_prompt_ids(tokenizer, request.messages)
 
 
 class ChatTemplateDeltas:

@@ -20,7 +20,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from producer.policy.base import GenerateRequest, Generation, SamplingParams
-from producer.policy.conversation import chat_prompt_ids
+from producer.policy.conversation import request_prompt_ids
 from shared.weights_io import load_safetensors_dir, verify_digest, weights_path_from_uri
 
 
@@ -92,10 +92,7 @@ class HFPolicy:
         return self._version
 
     def prompt_token_ids(self, request: GenerateRequest) -> list[int]:
-        """The request's token ids, or its messages templated and tokenized when it carries none."""
-        if request.prompt_ids is not None:
-            return [int(t) for t in request.prompt_ids]
-        return chat_prompt_ids(self.tokenizer, request.messages)
+        return request_prompt_ids(self.tokenizer, request)
 
     async def generate(self, request: GenerateRequest) -> Generation:
         if self._server is None or self._server.done():

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from producer.policy.base import GenerateRequest, Generation
-from producer.policy.conversation import chat_prompt_ids
+from producer.policy.conversation import request_prompt_ids
 from shared.weights_io import verify_digest, weights_path_from_uri
 
 # vLLM's own modules are imported lazily, inside VLLMPolicy: importing vllm costs seconds and registers its
@@ -135,10 +135,7 @@ class VLLMPolicy:
         return self._version
 
     def prompt_token_ids(self, request: GenerateRequest) -> list[int]:
-        """The request's token ids, or its messages templated and tokenized when it carries none."""
-        if request.prompt_ids is not None:
-            return [int(t) for t in request.prompt_ids]
-        return chat_prompt_ids(self.tokenizer, request.messages)
+        return request_prompt_ids(self.tokenizer, request)
 
     async def generate(self, request: GenerateRequest) -> Generation:
         from vllm import SamplingParams, TokensPrompt
