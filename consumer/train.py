@@ -10,6 +10,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import redis
 from tqdm import tqdm
@@ -19,11 +20,13 @@ from consumer.batcher import Batcher
 from consumer.checkpoints import checkpoint_dir, checkpoint_step, resume_path
 from consumer.learner import Learner, make_learner
 from consumer.metrics import MetricsLogger
+from consumer.pruning import prune_versions
 from consumer.validation import Validator
 from shared.codec import encode_trajectory
 from shared.config import RollstreamConfig
 from shared.ledger import Ledger, reconciles
 from shared.recording import Recorder
+from shared.status import loaded_versions
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +70,7 @@ def run_trainer(cfg: RollstreamConfig, client: redis.Redis, *, consumer: str = "
             batcher.commit(batch, step + 1, announcement)
             if (step + 1) % cfg.save_steps == 0 or step + 1 == cfg.max_steps:
                 learner.save_checkpoint(checkpoint_dir(cfg, step + 1))  # after the commit: ledger and model agree
+            prune_versions(Path(cfg.output_dir) / "weights", loaded_versions(client, batcher.keys), step + 1)
             t2 = time.monotonic()
             if recorder:
                 for traj in batch.trajectories:

@@ -46,6 +46,16 @@ def read_status(client: redis.Redis, keys: Keys) -> Status:
     )
 
 
+def loaded_versions(client: redis.Redis, keys: Keys) -> list[int]:
+    """The policy version each live env-worker has loaded (from their heartbeats)."""
+    versions = []
+    for key in client.scan_iter(match=keys.worker_pattern, count=1000):
+        loaded = client.hget(key, "loaded_version")
+        if loaded is not None:
+            versions.append(int(loaded))
+    return versions
+
+
 def format_status(status: Status, ns: str) -> str:
     c = status.counters
     rows = [
