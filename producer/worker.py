@@ -78,7 +78,8 @@ class EnvWorker:
         log.info("worker %d: %d groups, %d envs", self.rank, len(groups), len(groups) * self.layout.group_size)
         stream_ids = await self._load_published_version()
         background = [asyncio.create_task(self._follow_streams(stream_ids)), asyncio.create_task(self._heartbeat())]
-        members = [asyncio.create_task(g.run_member(m)) for g in groups for m in range(self.layout.group_size)]
+        members = [asyncio.create_task(g.run_member(m), name=f"g{g.spec.group_index}/m{m}")
+                   for g in groups for m in range(self.layout.group_size)]
         playing = asyncio.gather(*members)
         stopped = asyncio.create_task(self.stop.wait())
         failure: BaseException | None = None
@@ -218,6 +219,10 @@ class GroupRunner:
         """The k-th episode of this group (k counts per member): admitted by whichever member needs it first."""
         if self.worker.episodes_per_group is not None and k >= self.worker.episodes_per_group:
             return None
+        if k < self.num_admitted:
+            # Already admitted: never queue behind a member that is waiting for a slot for a later episode,
+            # or the group can deadlock (its slots free up only when the slow members finish this one).
+            return self.admitted[k]
         async with self.lock:
             if k == self.num_admitted:
                 admission = await self.worker.wait_for_slot(self.prefix)

@@ -270,6 +270,7 @@ def validate(cfg: RollstreamConfig) -> None:
     _one_of(cfg.adv_estimator, "adv_estimator", ADV_ESTIMATORS)
     _validate_learning(cfg)
     _one_of(cfg.wandb_mode, "wandb_mode", ("online", "offline", "disabled"))
+    _one_of(cfg.actor_infer.model_args.dtype, "actor_infer.model_args.dtype", ("fp32", "bf16", "fp16"))
     if cfg.tiny_model.build and not cfg.pretrain:
         raise ConfigError("tiny_model.build=true needs pretrain: the directory to build the tiny model in")
     if cfg.redis.block_ms / 1000 >= cfg.redis.socket_timeout_s:

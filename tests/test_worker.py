@@ -112,3 +112,29 @@ def test_render_save_dir_gets_a_png_per_step(tmp_path, redis_server, redis_clien
         moved = [i for i, turn in enumerate(t.turns) if turn.observation != (t.turns[i + 1].observation
                                                                             if i + 1 < len(t.turns) else None)]
         assert any(not np.array_equal(images[i], images[i + 1]) for i in moved)
+
+
+def test_a_member_behind_gets_an_admitted_episode_while_another_waits_for_a_slot() -> None:
+    """The hang seen in a real run: fast members waited for a slot holding the group's lock, slow members queued
+    behind it for an episode that was already admitted, so no group completed and no slot was ever freed."""
+    from types import SimpleNamespace
+
+    from producer.worker import GroupRunner
+    from shared.layout import GroupSpec
+
+    async def scenario() -> None:
+        never = asyncio.Event()
+
+        async def wait_for_slot(prefix: str):  # type: ignore[no-untyped-def]
+            await never.wait()  # the cap is reached: no slot until a group completes
+
+        worker = SimpleNamespace(cfg=SimpleNamespace(custom_envs={"FrozenLake": None}), episodes_per_group=None,
+                                 wait_for_slot=wait_for_slot)
+        runner = GroupRunner(worker, GroupSpec(0, "FrozenLake", 0))  # type: ignore[arg-type]
+        runner.admitted, runner.num_admitted = {0: 10, 1: 11}, 2
+        fast = asyncio.create_task(runner.next_episode(2))  # holds the lock while it waits for a slot
+        await asyncio.sleep(0)
+        assert await asyncio.wait_for(runner.next_episode(1), timeout=1.0) == 11
+        fast.cancel()
+
+    asyncio.run(scenario())

@@ -29,8 +29,13 @@ def make_policy(cfg: RollstreamConfig) -> Policy:
         return HFPolicy(cfg.pretrain, seed=cfg.seed, **_checked(HFPolicy, options))
     from producer.policy.vllm import VLLMPolicy
 
-    return VLLMPolicy(cfg.pretrain, seed=cfg.seed, **({"max_model_len": cfg.sequence_length}
-                                                      | _checked(VLLMPolicy, options)))
+    # The engine computes in the trainer's dtype: "auto" picked bf16 on CPU, and then the behaviour logprobs
+    # the PPO ratio is anchored on came from other numerics than the trainer's fp32.
+    defaults = {"max_model_len": cfg.sequence_length, "dtype": _VLLM_DTYPES[cfg.actor_infer.model_args.dtype]}
+    return VLLMPolicy(cfg.pretrain, seed=cfg.seed, **(defaults | _checked(VLLMPolicy, options)))
+
+
+_VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def _checked(cls: type, options: dict[str, Any]) -> dict[str, Any]:
