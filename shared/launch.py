@@ -13,13 +13,14 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from contextlib import ExitStack
 from pathlib import Path
 from typing import IO
 
 from shared.config import RollstreamConfig, dump_config
-from shared.embedded import EmbeddedRedis
+from shared.embedded import EmbeddedRedis, die_with_parent
 from shared.keys import Keys
 from shared.layout import plan_layout
 from shared.redis_io import URL_ENV, connect, redact, resolve_url
@@ -87,24 +88,18 @@ def _prepare_namespace(cfg: RollstreamConfig, url: str, fresh: bool) -> None:
 
 def _spawn(args: list[str], env: dict[str, str], output: IO[bytes] | None) -> subprocess.Popen[bytes]:
     return subprocess.Popen([sys.executable, "-m", "shared.cli", *args], env=env, stdout=output,
-                            stderr=subprocess.STDOUT if output else None, preexec_fn=_die_with_parent)
-
-
-def _die_with_parent() -> None:
-    """Linux: a child gets SIGTERM if the launcher dies, even by kill -9, so no producer is orphaned."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+                            stderr=subprocess.STDOUT if output else None, preexec_fn=die_with_parent)
 
 
 def _wait_for_trainer(trainer: subprocess.Popen[bytes], producers: list[subprocess.Popen[bytes]],
                       logs: Path) -> int:
     """The trainer's exit code; a crashed env-worker ends the run (the trainer would wait for it forever)."""
+    terminated = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: terminated.set())  # only a flag: the loop below drains
     try:
         while trainer.poll() is None:
+            if terminated.is_set():
+                raise KeyboardInterrupt
             for rank, p in enumerate(producers):
                 if p.poll() not in (None, 0):
                     log.error("env-worker %d exited with code %s: see %s; stopping the run", rank, p.returncode,

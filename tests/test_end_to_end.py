@@ -150,3 +150,22 @@ def test_trainer_killed_mid_run_resumes_and_trains_no_group_twice(tmp_path, redi
     assert len({(t.group_id, t.member) for t in trajs}) == len(trajs)
     counts = read_counters(redis_client, keys)
     assert counts["trained"] == 12 * cfg.groups_per_batch and reconciles(counts)
+
+
+def test_sigterm_to_run_stops_every_process_it_started(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    run = subprocess.Popen([sys.executable, "-m", "shared.cli", "run", str(CONFIG), f"output_dir={out}",
+                            "max_steps=100000", "wandb_mode=disabled"], env=_env(), stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not list(out.glob("logs/producer-*.log")) or not (out / "redis" / "server.log").exists():
+        assert time.monotonic() < deadline and run.poll() is None
+        time.sleep(0.1)
+    time.sleep(3)  # trainer and env-workers are running
+    run.send_signal(signal.SIGTERM)
+    _, stderr = run.communicate(timeout=60)
+    assert run.returncode == 130, stderr[-2000:]
+    assert "interrupted: stopping the trainer and env-workers" in stderr
+    deadline = time.monotonic() + 10
+    while _leftover_processes(out):
+        assert time.monotonic() < deadline, _leftover_processes(out)
+        time.sleep(0.1)
