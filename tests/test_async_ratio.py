@@ -50,8 +50,14 @@ class CheckingLearner:
         time.sleep(self.step_s)
         return {}
 
-    def publish(self, version: int) -> dict[str, str | int]:
+    def publish(self, version: int, suffix: str = "") -> dict[str, str | int]:
         return {"uri": "", "digest": ""}
+
+    def save_checkpoint(self, directory: object) -> None:
+        pass
+
+    def load_checkpoint(self, directory: object) -> None:
+        pass
 
     def close(self) -> None:
         pass
