@@ -61,7 +61,7 @@ def workers_in_thread(cfg: RollstreamConfig, url: str) -> Iterator[None]:
         yield
     finally:
         loop.call_soon_threadsafe(stop.set)
-        thread.join(60)
+        thread.join(180)
         assert not thread.is_alive(), "workers did not stop"
         if errors:
             raise errors[0]
