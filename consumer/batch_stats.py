@@ -10,12 +10,17 @@ import numpy as np
 from shared.schema import Trajectory
 
 
-def rollout_stats(trajs: Sequence[Trajectory], step: int) -> dict[str, float]:
-    """Reward, success, actions, valid-action rate and staleness, overall and per tag."""
+def rollout_stats(trajs: Sequence[Trajectory], step: int, max_staleness: int = 0) -> dict[str, float]:
+    """Reward, success, actions, valid-action rate and staleness, overall and per tag.
+
+    The staleness histogram is one share per value, `staleness/0` .. `staleness/<max_staleness>` (the
+    async ratio), present every step so its curves are continuous; a value beyond it still gets its key."""
     stats = per_tag_stats("rollout", trajs)
     staleness = np.array([step - t.version for t in trajs])
     stats["rollout/staleness_mean"] = float(staleness.mean()) if len(trajs) else 0.0
     stats["rollout/staleness_max"] = float(staleness.max()) if len(trajs) else 0.0
+    hist = dict.fromkeys(range(max_staleness + 1), 0) | staleness_histogram(trajs, step)
+    stats |= {f"staleness/{k}": n / max(len(trajs), 1) for k, n in sorted(hist.items())}
     stats["rollout/tokens"] = float(sum(t.num_tokens for t in trajs))
     return stats
 
