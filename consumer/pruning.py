@@ -1,4 +1,4 @@
-"""Deleting published weight versions that no env-worker can still need."""
+"""Deleting published weight versions that no env-worker can still need: directories, and Redis copies."""
 
 from __future__ import annotations
 
@@ -6,22 +6,35 @@ import re
 import shutil
 from pathlib import Path
 
-_VERSION_DIR = re.compile(r"v(\d+)(-resumed-from-\d+)?")
+import redis
+
+from shared.keys import Keys
+
+_VERSION_NAME = re.compile(r"v(\d+)(-resumed-from-\d+)?")
+
+
+def _prunable(name: str, loaded: list[int], newest: int) -> bool:
+    """A version older than every live worker's loaded version. With no live worker nothing is: a worker that
+    starts later loads the newest version, but one that is merely slow to beat could still be reading an older one."""
+    match = _VERSION_NAME.fullmatch(name)
+    return bool(loaded) and match is not None and int(match.group(1)) < min(min(loaded), newest)
 
 
 def prune_versions(weights_dir: Path, loaded: list[int], newest: int) -> list[Path]:
-    """Remove v<N> directories older than every live worker's loaded version; returns what was removed.
-
-    With no live worker nothing is removed: a worker that starts later loads the newest version, but one that
-    is merely slow to beat could still be reading an older one.
-    """
-    if not loaded or not weights_dir.is_dir():
+    """Remove v<N> directories no live worker can need; returns what was removed."""
+    if not weights_dir.is_dir():
         return []
-    keep_from = min(min(loaded), newest)
-    removed = []
-    for path in weights_dir.iterdir():
-        match = _VERSION_DIR.fullmatch(path.name)
-        if match and int(match.group(1)) < keep_from:
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path)
+    removed = [path for path in weights_dir.iterdir() if _prunable(path.name, loaded, newest)]
+    for path in removed:
+        shutil.rmtree(path, ignore_errors=True)
+    return removed
+
+
+def prune_redis_versions(client: redis.Redis, keys: Keys, loaded: list[int], newest: int) -> list[str]:
+    """Delete the Redis copies (weights_transport: redis) of versions no live worker can need."""
+    prefix = keys.weights_blob("")
+    removed = [key.decode() for key in client.scan_iter(match=keys.weights_blob_pattern, count=1000)
+               if _prunable(key.decode().removeprefix(prefix), loaded, newest)]
+    if removed:
+        client.delete(*removed)
     return removed

@@ -30,6 +30,8 @@ from shared.layout import GroupSpec, plan_layout
 from shared.ledger import Admission, AsyncAdmissions
 from shared.schema import GroupDropNotice, Trajectory, group_prefix
 from shared.seeding import episode_seed
+from shared.weights_io import weights_path_from_uri
+from shared.weights_transport import drop_downloads, fetch_weights
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +58,8 @@ class EnvWorker:
         self.episodes_per_group = episodes_per_group
         """Burst mode: each group plays this many episodes, then the worker returns."""
         self.stats = WorkerStats()
+        self.downloads = Path(cfg.output_dir) / "weights_downloaded" / f"worker-{rank}"
+        """Where versions announced over weights_transport: redis are downloaded to."""
         self.stop = asyncio.Event()
         self.notified = asyncio.Event()
         """Set whenever the control or weights stream moves: a slot may be free or a version published."""
@@ -162,8 +166,16 @@ class EnvWorker:
         # A version announced again with other weights is a resumed trainer's model: load it too.
         republished = version == self.policy.version and digest and digest != self.loaded_digest
         if version > self.policy.version or republished:
-            await self.policy.load_weights(version, fields.get(b"uri", b"").decode(), digest)
+            announced = fields.get(b"uri", b"").decode()
+            try:
+                uri = await fetch_weights(self.client, self.keys, announced, self.downloads)
+            except FileNotFoundError as e:  # pruned or lost: a newer version is announced after the next step
+                log.error("worker %d: cannot fetch policy version %d: %s", self.rank, version, e)
+                return
+            await self.policy.load_weights(version, uri, digest)
             self.loaded_digest = digest
+            if uri != announced:
+                drop_downloads(self.downloads, keep=weights_path_from_uri(uri).name)
             log.info("worker %d: loaded policy version %d", self.rank, version)
         async with self.version_loaded:
             self.version_loaded.notify_all()

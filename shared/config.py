@@ -192,6 +192,11 @@ class RollstreamConfig:
         default_factory=lambda: {"FrozenLake": CustomEnvConfig()}
     )
     redis: RedisConfig = field(default_factory=RedisConfig)
+    weights_transport: str = "filesystem"
+    """filesystem: producers read the trainer's weight directories in place (a shared filesystem across hosts);
+    redis: the trainer also copies each version into Redis in chunks and producers download it."""
+    weights_chunk_mb: float = 8.0
+    """Size of one weights chunk in Redis (weights_transport: redis)."""
     tiny_model: TinyModelConfig = field(default_factory=TinyModelConfig)
     wandb_mode: str = "offline"
     """online | offline | disabled: offline writes the run under output_dir for a later `wandb sync`."""
@@ -270,6 +275,8 @@ def validate(cfg: RollstreamConfig) -> None:
     _one_of(cfg.adv_estimator, "adv_estimator", ADV_ESTIMATORS)
     _validate_learning(cfg)
     _one_of(cfg.wandb_mode, "wandb_mode", ("online", "offline", "disabled"))
+    _one_of(cfg.weights_transport, "weights_transport", ("filesystem", "redis"))
+    _greater(cfg.weights_chunk_mb, "weights_chunk_mb", 0.0)
     _one_of(cfg.actor_infer.model_args.dtype, "actor_infer.model_args.dtype", ("fp32", "bf16", "fp16"))
     if cfg.tiny_model.build and not cfg.pretrain:
         raise ConfigError("tiny_model.build=true needs pretrain: the directory to build the tiny model in")

@@ -39,6 +39,14 @@ class Keys:
         """Stream of weight announcements {version, uri, digest}."""
         return f"{self.ns}:weights"
 
+    def weights_blob(self, name: str) -> str:
+        """Hash holding the files of weights version `name` (v<N>) in chunks (weights_transport: redis)."""
+        return f"{self.ns}:weights:{name}"
+
+    @property
+    def weights_blob_pattern(self) -> str:
+        return f"{self.ns}:weights:v*"
+
     @property
     def version(self) -> str:
         """The latest published policy version (an integer)."""

@@ -32,6 +32,8 @@ def test_overrides_apply_and_interpolate(tmp_path: Path) -> None:
         ("train_env_manager.max_env_num_per_worker=12", "max_env_num_per_worker=12 is not a multiple of"),
         ("actor_infer.strategy_args.strategy_name=megatron", "must be one of scripted, hf_infer, vllm"),
         ("redis.block_ms=60000", "must stay below redis.socket_timeout_s"),
+        ("weights_transport=s3", "weights_transport='s3': must be one of filesystem, redis"),
+        ("weights_chunk_mb=0", "weights_chunk_mb=0.0: must be > 0.0"),
         ("max_steps=zero", "'max_steps'"),
         ("no_such_key=1", "no_such_key"),
     ],

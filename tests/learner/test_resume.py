@@ -21,11 +21,12 @@ def _params(learner) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
     return {k: v.detach().clone() for k, v in learner.strategy.model.state_dict().items()}
 
 
-def test_resume_from_an_older_checkpoint_reannounces_its_weights(tmp_path: Path, tiny_model: Path,
+@pytest.mark.parametrize("transport", ["filesystem", "redis"])
+def test_resume_from_an_older_checkpoint_reannounces_its_weights(transport: str, tmp_path: Path, tiny_model: Path,
                                                                  redis_client: redis.Redis) -> None:
     groups = sample_single_turn_groups(TinySampler(tiny_model, seed=5), groups=2, group_size=4,
                                        reward=lambda reply: float(bool(reply) and reply[0] % 2 == 0))
-    cfg = learner_config(tmp_path, tiny_model, "torch_train")
+    cfg = learner_config(tmp_path, tiny_model, "torch_train", f"weights_transport={transport}")
     first = make_learner(cfg)
     first.train_step(make_batch(groups, 0))
     first.save_checkpoint(checkpoint_dir(cfg, 1))
@@ -39,7 +40,12 @@ def test_resume_from_an_older_checkpoint_reannounces_its_weights(tmp_path: Path,
     resume(cfg, second, ledger, version=2)
     assert all(torch.equal(saved[k], v) for k, v in _params(second).items())
     [(_, announced)] = redis_client.xrevrange(ledger.keys.weights, count=1)
-    assert announced[b"version"] == b"2" and announced[b"uri"].endswith(b"/weights/v2-resumed-from-1")
+    assert announced[b"version"] == b"2"
+    if transport == "filesystem":
+        assert announced[b"uri"].endswith(b"/weights/v2-resumed-from-1")
+    else:  # the producers' copy is in Redis, complete and under its final key before the announcement
+        assert announced[b"uri"] == b"redis-chunks:v2-resumed-from-1"
+        assert redis_client.hget(ledger.keys.weights_blob("v2-resumed-from-1"), "manifest") is not None
 
     redis_client.set(ledger.keys.version, 0)  # Redis lost committed steps: refuse, do not guess
     with pytest.raises(RuntimeError, match="at step 1 but the ledger in Redis is at version 0"):
