@@ -2,8 +2,10 @@
 
 A train step reads top to bottom: advantages per trajectory -> padded token tensors -> (recomputed old and
 reference logprobs) -> for each PPO epoch, for each shuffled mini-batch: micro-batches sized by a token budget,
-forward, loss, backward; one optimizer step per mini-batch. `ppo_update` only sees tensors and a strategy, so a
-multi-rank strategy can run it on every rank over that rank's shard.
+forward, loss, backward; one optimizer step per mini-batch. The update is planned first (`plan_shards`: which
+rows each optimizer step trains on, split over the ranks) and then run (`run_shard`), which only sees tensors and a
+strategy: in one process the plan has one shard; with several ranks (`consumer.distributed`) rank 0 plans and
+every rank runs its own shard.
 
 Old logprobs (the anchor of the PPO ratio), `old_logprobs`:
 - "engine" (default): the inference engine's logprobs of the sampled tokens, i.e. the behaviour policy mu that
@@ -41,13 +43,15 @@ from consumer.batcher import Batch
 from consumer.loss import (approx_kl, kl_k3, masked_sum, ppo_policy_loss, token_entropy, token_logprobs,
                            truncated_importance_weights)
 from consumer.strategy import TrainStrategy, minibatch_size
-from consumer.tensors import TokenBatch, build_token_batch, microbatch_indices, minibatch_indices
+from consumer.tensors import Shard, TokenBatch, build_token_batch, plan_shards
 from shared.config import RollstreamConfig
 
 log = logging.getLogger(__name__)
 
 OLD_LOGPROB_SOURCES = ("engine", "recompute")
 LEARNER_STATE_FILE = "learner.pt"
+STRATEGY_DIR = "strategy"
+"""The strategy's part of a checkpoint directory."""
 Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -113,9 +117,13 @@ class PolicyLearner:
         check_trainable(tokens, batch.step)
         metrics = advantage_stats(tokens)
         metrics["time/advantages_s"] = time.monotonic() - start
-        metrics |= ppo_update(self.strategy, tokens, self.settings, self.generator, self.reference)
+        metrics |= self.update(tokens)
         self.steps_done += 1
         return metrics
+
+    def update(self, tokens: TokenBatch) -> dict[str, float]:
+        """The PPO update on the whole batch (a multi-rank leader splits it over the ranks instead)."""
+        return ppo_update(self.strategy, tokens, self.settings, self.generator, self.reference)
 
     def publish(self, version: int, suffix: str = "") -> dict[str, str | int]:
         """Write `version` as a HF safetensors directory <output_dir>/weights/v<version><suffix>, atomically."""
@@ -133,9 +141,9 @@ class PolicyLearner:
         final = Path(directory)
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = final.parent / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
-        (tmp / "strategy").mkdir(parents=True)
+        (tmp / STRATEGY_DIR).mkdir(parents=True)
         try:
-            self.strategy.save_checkpoint(tmp / "strategy")
+            self.save_strategy(tmp / STRATEGY_DIR)
             torch.save({"steps_done": self.steps_done, "rng": capture_rng(self.generator)}, tmp / LEARNER_STATE_FILE)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -146,9 +154,13 @@ class PolicyLearner:
         if previous is not None:
             shutil.rmtree(previous, ignore_errors=True)
 
+    def save_strategy(self, directory: Path) -> None:
+        """The strategy's part of a checkpoint (a multi-rank leader has every rank write its part)."""
+        self.strategy.save_checkpoint(directory)
+
     def load_checkpoint(self, directory: str | os.PathLike[str]) -> None:
         root = Path(directory)
-        self.strategy.load_checkpoint(root / "strategy")
+        self.strategy.load_checkpoint(root / STRATEGY_DIR)
         state = torch.load(root / LEARNER_STATE_FILE, weights_only=True)
         self.steps_done = int(state["steps_done"])
         restore_rng(state["rng"], self.generator)
@@ -191,17 +203,24 @@ def advantage_stats(tokens: TokenBatch) -> dict[str, float]:
 
 
 @torch.no_grad()
-def frozen_logprobs(forward: Forward, tokens: TokenBatch, settings: UpdateSettings,
-                    device: torch.device) -> torch.Tensor:
-    """Logprobs of every target token under `forward`, micro-batch by micro-batch, as one (B, T - 1) tensor."""
+def frozen_logprobs(forward: Forward, shard: Shard, device: torch.device, pad: bool = False) -> torch.Tensor:
+    """Logprobs of every target token of the shard under `forward`, micro-batch by micro-batch, as one (B, T - 1)
+    tensor. With `pad`, idle forwards bring the count up to what every rank runs (ZeRO-3 gathers in forward)."""
+    tokens = shard.tokens
     out = torch.zeros_like(tokens.response_mask)
-    lengths = tokens.lengths.tolist()
-    for rows in microbatch_indices(lengths, torch.arange(tokens.num_rows),
-                                   max_tokens=settings.max_tokens_per_microbatch, max_rows=settings.microbatch_rows):
+    for rows in shard.logprob_microbatches:
         part = tokens.rows(rows).to(device)
         logprobs = token_logprobs(forward(part.input_ids, part.attention_mask), part.input_ids)
         out[rows, : logprobs.shape[1]] = logprobs.float().cpu()
+    for _ in range(shard.num_logprob_microbatches - len(shard.logprob_microbatches) if pad else 0):
+        idle_logits(forward, device)
     return out * tokens.response_mask
+
+
+def idle_logits(forward: Forward, device: torch.device) -> torch.Tensor:
+    """Logits of a two-token dummy row: the forward a rank with nothing left to do runs to match the others."""
+    ids = torch.zeros((1, 2), dtype=torch.long, device=device)
+    return forward(ids, torch.ones_like(ids))
 
 
 def microbatch_loss(logits: torch.Tensor, part: TokenBatch, settings: UpdateSettings,
@@ -239,6 +258,10 @@ def microbatch_loss(logits: torch.Tensor, part: TokenBatch, settings: UpdateSett
     return loss, sums
 
 
+TALLY_KEYS = frozenset({"pg", "clip", "truncated", "ratio", "approx_kl", "is_weight", "kl", "entropy", "tokens"})
+"""Every sum a Tally may hold; ranks reduce them in this (sorted) order, whichever they saw."""
+
+
 @dataclass
 class Tally:
     """What the micro-batches and optimizer steps of one update add up to; token-weighted means at the end."""
@@ -262,6 +285,19 @@ class Tally:
     def add_step(self, lr: float, grad_norm: float) -> None:
         self.lrs.append(lr)
         self.grad_norms.append(grad_norm)
+
+    def all_reduce(self, device: torch.device) -> None:
+        """Sum the token sums of every rank (grad norms and lrs are global already), so metrics cover the batch."""
+        keys = sorted(TALLY_KEYS)
+        present = [1.0 if k in self.sums else 0.0 for k in keys]  # is_weight and kl exist only in some modes
+        sums = torch.tensor([self.sums.get(k, 0.0) for k in keys] + [float(self.tokens_seen)], dtype=torch.float64,
+                            device=device)
+        most = torch.tensor(present + [self.ratio_max], dtype=torch.float64, device=device)
+        torch.distributed.all_reduce(sums, op=torch.distributed.ReduceOp.SUM)
+        torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
+        self.sums = defaultdict(float, {k: float(v) for k, v, p in zip(keys, sums[:-1], most[:-1]) if p > 0})
+        self.tokens_seen = int(sums[-1])
+        self.ratio_max = float(most[-1])
 
     def metrics(self, update_s: float) -> dict[str, float]:
         n = max(self.sums["tokens"], 1.0)
@@ -288,30 +324,46 @@ class Tally:
 def ppo_update(strategy: TrainStrategy, tokens: TokenBatch, settings: UpdateSettings, generator: torch.Generator,
                reference: Forward | None = None) -> dict[str, float]:
     """PPO epochs over shuffled mini-batches of `tokens`, one optimizer step per mini-batch; returns metrics."""
+    shard, = plan_update(tokens, settings, generator, world_size=1)
+    return run_shard(strategy, shard, settings, reference)
+
+
+def plan_update(tokens: TokenBatch, settings: UpdateSettings, generator: torch.Generator,
+                world_size: int) -> list[Shard]:
+    """Every rank's shard of one update: `settings.minibatch_size` rows per optimizer step over all ranks."""
+    return plan_shards(tokens, world_size, epochs=settings.ppo_epochs, minibatch_size=settings.minibatch_size,
+                       generator=generator, max_tokens=settings.max_tokens_per_microbatch,
+                       max_rows=settings.microbatch_rows)
+
+
+def run_shard(strategy: TrainStrategy, shard: Shard, settings: UpdateSettings,
+              reference: Forward | None = None) -> dict[str, float]:
+    """Run this rank's part of an update; with several ranks every one calls this, with the same number of steps.
+    Returns metrics over all ranks' tokens."""
     start = time.monotonic()
+    tokens = shard.tokens
     # Old and reference logprobs come from the weights as they are before this step's first update.
     if settings.old_logprobs == "recompute":
-        tokens.old_logprobs = frozen_logprobs(strategy.forward, tokens, settings, strategy.device)
+        tokens.old_logprobs = frozen_logprobs(strategy.forward, shard, strategy.device, pad=True)
     if reference is not None:
-        tokens.ref_logprobs = frozen_logprobs(reference, tokens, settings, strategy.device)
+        tokens.ref_logprobs = frozen_logprobs(reference, shard, strategy.device)
     logprobs_done = time.monotonic()
 
     tally = Tally()
-    lengths = tokens.lengths.tolist()
-    for _epoch in range(settings.ppo_epochs):
-        for minibatch in minibatch_indices(tokens.num_rows, settings.minibatch_size, generator):
-            # Every micro-batch's loss is divided by the mini-batch's token count: accumulated, a token mean.
-            normalizer = float(tokens.response_mask[minibatch].sum())
-            if normalizer == 0:
-                continue  # nothing generated in these rows: no gradient, no step
-            for rows in microbatch_indices(lengths, minibatch, max_tokens=settings.max_tokens_per_microbatch,
-                                           max_rows=settings.microbatch_rows):
-                part = tokens.rows(rows).to(strategy.device)
-                logits = strategy.forward(part.input_ids, part.attention_mask)
-                loss, sums = microbatch_loss(logits, part, settings, normalizer)
-                strategy.backward(loss)
-                tally.add_microbatch(sums, part)
-            tally.add_step(strategy.lr, strategy.optimizer_step())
+    for step in shard.steps:
+        # Every micro-batch's loss is divided by the mini-batch's token count: accumulated, a token mean.
+        for rows in step.microbatches:
+            part = tokens.rows(rows).to(strategy.device)
+            logits = strategy.forward(part.input_ids, part.attention_mask)
+            loss, sums = microbatch_loss(logits, part, settings, step.normalizer)
+            strategy.backward(loss)
+            tally.add_microbatch(sums, part)
+        for _ in range(step.num_microbatches - len(step.microbatches)):
+            # Zero weight, but a real backward: every parameter gets a (zero) gradient, so ZeRO's hooks fire.
+            strategy.backward(idle_logits(strategy.forward, strategy.device).sum() * 0.0)
+        tally.add_step(strategy.lr, strategy.optimizer_step())
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        tally.all_reduce(strategy.device)
     update_s = time.monotonic() - logprobs_done
     return {"actor/lr": strategy.lr, **tally.metrics(update_s),
             "time/logprobs_s": logprobs_done - start, "time/update_s": update_s}

@@ -149,3 +149,83 @@ def microbatch_indices(lengths: Sequence[int], index: torch.Tensor, *, max_token
         else:
             batches.append([row])
     return [torch.tensor(b, dtype=torch.long) for b in batches]
+
+
+def split_balanced(lengths: Sequence[int], index: torch.Tensor, parts: int) -> list[torch.Tensor]:
+    """Split the rows `index` into `parts` groups of about equal token count (greedy, longest row first, to the
+    lightest group); each group keeps the rows in their order in `index`. One part is `index` itself."""
+    if parts == 1:
+        return [index]
+    load = [0] * parts
+    owner: dict[int, int] = {}
+    for row in sorted(index.tolist(), key=lambda i: -int(lengths[i])):
+        part = min(range(parts), key=lambda p: load[p])
+        owner[row] = part
+        load[part] += int(lengths[row])
+    return [torch.tensor([r for r in index.tolist() if owner[r] == p], dtype=torch.long) for p in range(parts)]
+
+
+@dataclass
+class StepPlan:
+    """One optimizer step (one mini-batch) as one rank runs it."""
+
+    microbatches: list[torch.Tensor]
+    """This rank's rows of the mini-batch, as indices into its shard, one tensor per micro-batch."""
+    num_microbatches: int
+    """Micro-batches every rank runs in this step: the most any rank has; the rest are zero-weight padding
+    (ZeRO reduces gradients inside backward, so every rank must call it equally often)."""
+    normalizer: float
+    """Response tokens of the whole mini-batch over all ranks: the loss is their mean."""
+
+
+@dataclass
+class Shard:
+    """What one rank trains on in one train step: its rows and its part of every optimizer step."""
+
+    tokens: TokenBatch
+    steps: list[StepPlan]
+    logprob_microbatches: list[torch.Tensor]
+    """The shard's rows in micro-batches for the frozen (old, reference) logprob forwards."""
+    num_logprob_microbatches: int
+    """Forwards every rank runs for those (ZeRO-3 gathers parameters inside forward)."""
+
+
+def plan_shards(tokens: TokenBatch, world_size: int, *, epochs: int, minibatch_size: int,
+                generator: torch.Generator, max_tokens: int, max_rows: int) -> list[Shard]:
+    """The whole update of one train step, split over `world_size` ranks.
+
+    Mini-batches are drawn from the whole batch exactly as in one process (same generator draws), then each is
+    split over the ranks balanced by tokens, so the ranks together take the same optimizer steps on the same
+    rows as one process would. A mini-batch without response tokens is no step (as in one process).
+    """
+    lengths = tokens.lengths.tolist()
+    assigned: list[set[int]] = [set() for _ in range(world_size)]
+    global_steps: list[tuple[list[list[torch.Tensor]], float]] = []
+    for _epoch in range(epochs):
+        for minibatch in minibatch_indices(tokens.num_rows, minibatch_size, generator):
+            parts = split_balanced(lengths, minibatch, world_size)
+            for rank, part in enumerate(parts):
+                assigned[rank].update(part.tolist())
+            normalizer = float(tokens.response_mask[minibatch].sum())
+            if normalizer == 0:
+                continue  # nothing generated in these rows: no gradient, no step
+            micro = [microbatch_indices(lengths, part, max_tokens=max_tokens, max_rows=max_rows) if len(part) else []
+                     for part in parts]
+            global_steps.append((micro, normalizer))
+    # One process keeps every row (its frozen logprobs then cover the batch exactly as before sharding existed).
+    rows = [list(range(tokens.num_rows))] if world_size == 1 else [sorted(a) for a in assigned]
+    logprob_micro = [microbatch_indices(lengths, torch.tensor(r, dtype=torch.long), max_tokens=max_tokens,
+                                        max_rows=max_rows) if r else [] for r in rows]
+    num_logprob = max(len(m) for m in logprob_micro)
+    shards = []
+    for rank in range(world_size):
+        local = {row: i for i, row in enumerate(rows[rank])}
+
+        def to_local(index: torch.Tensor) -> torch.Tensor:
+            return torch.tensor([local[r] for r in index.tolist()], dtype=torch.long)
+
+        steps = [StepPlan([to_local(m) for m in micro[rank]], max(len(m) for m in micro), normalizer)
+                 for micro, normalizer in global_steps]
+        shard_tokens = tokens if world_size == 1 else tokens.rows(rows[rank])
+        shards.append(Shard(shard_tokens, steps, [to_local(m) for m in logprob_micro[rank]], num_logprob))
+    return shards

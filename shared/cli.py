@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
@@ -127,11 +128,25 @@ def _trainer(args: argparse.Namespace) -> int:
     from consumer.train import run_trainer
 
     cfg = _load(args)
-    client = connect(_require_url(cfg), cfg.redis)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())  # handlers only set a flag; the loop drains
-    summary = run_trainer(cfg, client, consumer=args.consumer, stop=stop)
+        # Handlers only set a flag; the loop drains. Ranks > 0 of a multi-rank launch ignore it and wait for
+        # rank 0's stop message, which rank 0 sends once its loop has drained.
+        signal.signal(sig, lambda *_: stop.set())
+    learner = None
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun / deepspeed: every rank runs this command
+        from consumer.distributed import Follower, start_rank
+
+        learner = start_rank(cfg)
+        if isinstance(learner, Follower):
+            learner.run()
+            return 0
+    try:
+        client = connect(_require_url(cfg), cfg.redis)
+        summary = run_trainer(cfg, client, consumer=args.consumer, stop=stop, learner=learner)
+    finally:
+        if learner is not None:
+            learner.close()  # run_trainer closes it too; a second close is a no-op, a missed one hangs the ranks
     log.info("trainer done: version %d, groups %s%s", summary.last_version, summary.counters,
              f", curves in {summary.plot}" if summary.plot else "")
     return 0 if summary.last_version >= cfg.max_steps or stop.is_set() else 1

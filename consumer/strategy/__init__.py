@@ -7,12 +7,13 @@ over its share of a batch (see `deepspeed_strategy` for what that path still nee
 
 - `torch_train`: one device, plain torch AdamW (`strategy_config.device`, default cuda when available).
 - `deepspeed_train`: a DeepSpeed ZeRO engine (`strategy_config.zero_stage` 1, 2 or 3, default 2) with torch's
-  AdamW, in one process (gloo on CPU, nccl on one GPU).
+  AdamW, in one process or on every rank of a launcher (torchrun, deepspeed); gloo on CPU, nccl on GPUs.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -69,10 +70,18 @@ class OptimSettings:
                    args.lr_scheduler_type)
 
 
+def data_parallel_size(cfg: RollstreamConfig) -> int:
+    """Ranks that share each mini-batch: the WORLD_SIZE a launcher (torchrun, deepspeed) sets, for
+    deepspeed_train; 1 otherwise."""
+    if cfg.actor_train.strategy_args.strategy_name != "deepspeed_train":
+        return 1
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def minibatch_size(cfg: RollstreamConfig) -> int:
-    """Trajectories per optimizer step: per_device_train_batch_size x gradient_accumulation_steps (one rank)."""
+    """Trajectories per optimizer step: per_device_train_batch_size x gradient_accumulation_steps x ranks."""
     args = cfg.actor_train.training_args
-    return args.per_device_train_batch_size * args.gradient_accumulation_steps
+    return args.per_device_train_batch_size * args.gradient_accumulation_steps * data_parallel_size(cfg)
 
 
 def optimizer_steps_per_epoch(cfg: RollstreamConfig) -> int:

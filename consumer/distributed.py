@@ -1,0 +1,153 @@
+"""`deepspeed_train` on several ranks: rank 0 reads the stream and leads, the other ranks follow.
+
+Under a launcher (torchrun, deepspeed) every rank runs `rollstream trainer`, and `start_rank` builds its part.
+Rank 0 gets a `LeaderLearner`, which `run_trainer` drives like any learner: it reads the batches, computes the
+advantages and the token batch, plans the update (`plan_update`: the mini-batches exactly as one process would
+draw them, each split over the ranks by tokens) and sends every rank its shard. Every call that needs all ranks
+(a train step, a publication, a checkpoint save or load) is first announced to the followers on a control group.
+Ranks > 0 run `Follower.run`: receive a message, do their part of it, until the leader's stop, which it sends
+when run_trainer closes its learner: at max_steps, after SIGTERM, or on an error.
+
+A rank that dies inside a collective makes the others fail in it once the transport sees the peer gone, and the
+launcher stops the remaining ranks when one exits with an error; nothing waits for a dead rank for ever.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from consumer.policy_learner import STRATEGY_DIR, PolicyLearner, plan_update, run_shard
+from consumer.strategy import make_strategy
+from consumer.tensors import TokenBatch
+from shared.config import ConfigError, RollstreamConfig
+
+log = logging.getLogger(__name__)
+
+TRAIN, PUBLISH, SAVE, LOAD, STOP = "train", "publish", "save", "load", "stop"
+
+CONTROL_TIMEOUT = timedelta(days=1)
+"""How long a follower waits for the leader's next message. The leader may wait long for a batch (producers
+slow or down) and that must not break the group; collectives inside a step keep the default timeout."""
+
+
+def launched_world_size() -> int:
+    """WORLD_SIZE as a launcher set it (1 without one)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+class Control:
+    """Leader -> followers messages, on a gloo group of their own: objects travel on CPU even when training runs
+    over nccl, and the group has the long timeout above."""
+
+    def __init__(self) -> None:
+        self.group = torch.distributed.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+        self.rank = torch.distributed.get_rank()
+        self.world_size = torch.distributed.get_world_size()
+
+    def scatter(self, messages: list[tuple[Any, ...]]) -> None:
+        """Leader: message i to rank i (its own included)."""
+        out: list[Any] = [None]
+        torch.distributed.scatter_object_list(out, messages, src=0, group=self.group)
+
+    def broadcast(self, message: tuple[Any, ...]) -> None:
+        self.scatter([message] * self.world_size)
+
+    def receive(self) -> tuple[Any, ...]:
+        """Follower: the leader's next message to this rank."""
+        out: list[Any] = [None]
+        torch.distributed.scatter_object_list(out, None, src=0, group=self.group)
+        return out[0]  # type: ignore[no-any-return]
+
+    def barrier(self) -> None:
+        torch.distributed.barrier(group=self.group)
+
+
+class LeaderLearner(PolicyLearner):
+    """Rank 0's learner: a PolicyLearner whose every collective call brings the followers along."""
+
+    def __init__(self, cfg: RollstreamConfig, control: Control) -> None:
+        super().__init__(cfg, make_strategy(cfg))
+        self.control = control
+        self.stopped = False
+
+    def update(self, tokens: TokenBatch) -> dict[str, float]:
+        shards = plan_update(tokens, self.settings, self.generator, self.control.world_size)
+        self.control.scatter([(TRAIN, shard) for shard in shards])
+        return run_shard(self.strategy, shards[0], self.settings, self.reference)
+
+    def publish(self, version: int, suffix: str = "") -> dict[str, str | int]:
+        self.control.broadcast((PUBLISH,))
+        return super().publish(version, suffix)
+
+    def save_strategy(self, directory: Path) -> None:
+        # Every rank writes its ZeRO partition into the same (temporary) directory; the leader renames it only
+        # after all of them are done.
+        self.control.broadcast((SAVE, str(directory)))
+        super().save_strategy(directory)
+        self.control.barrier()
+
+    def load_checkpoint(self, directory: str | os.PathLike[str]) -> None:
+        self.control.broadcast((LOAD, str(Path(directory) / STRATEGY_DIR)))
+        super().load_checkpoint(directory)
+
+    def close(self) -> None:
+        """Stop the followers, then close; once (run_trainer closes on every exit, errors included, and so does
+        the trainer command in case run_trainer never started)."""
+        if self.stopped:
+            return
+        self.stopped = True
+        try:
+            self.control.broadcast((STOP,))
+        except Exception:  # a follower is gone: the launcher stops the rest; keep the original error
+            log.exception("could not send the stop message to the other ranks")
+        super().close()
+
+
+class Follower:
+    """A rank > 0: the same model and update code as the leader, fed by the leader's messages."""
+
+    def __init__(self, cfg: RollstreamConfig, control: Control) -> None:
+        self.learner = PolicyLearner(cfg, make_strategy(cfg))
+        self.control = control
+
+    def run(self) -> None:
+        """Serve the leader's messages until its stop."""
+        learner, strategy = self.learner, self.learner.strategy
+        try:
+            while True:
+                kind, *args = self.control.receive()
+                if kind == STOP:
+                    return
+                if kind == TRAIN:
+                    run_shard(strategy, args[0], learner.settings, learner.reference)
+                    learner.steps_done += 1
+                elif kind == PUBLISH:
+                    strategy.publish_weights(learner.weights_dir, learner.tokenizer)  # rank 0 alone writes
+                elif kind == SAVE:
+                    strategy.save_checkpoint(Path(args[0]))
+                    self.control.barrier()
+                elif kind == LOAD:
+                    strategy.load_checkpoint(Path(args[0]))
+                else:
+                    raise RuntimeError(f"rank {self.control.rank}: unknown message {kind!r} from rank 0")
+        finally:
+            learner.close()
+
+
+def start_rank(cfg: RollstreamConfig) -> LeaderLearner | Follower:
+    """This process's part of a multi-rank trainer: rank 0 leads (give it to run_trainer), the others follow."""
+    name = cfg.actor_train.strategy_args.strategy_name
+    if name != "deepspeed_train":
+        raise ConfigError(f"WORLD_SIZE={launched_world_size()} (a multi-rank launch) needs "
+                          f"actor_train.strategy_args.strategy_name=deepspeed_train, not {name!r}")
+    from consumer.strategy.deepspeed_strategy import init_distributed
+
+    init_distributed()
+    control = Control()  # every rank creates it at the same point, before the engine's own groups
+    return LeaderLearner(cfg, control) if control.rank == 0 else Follower(cfg, control)
