@@ -20,13 +20,15 @@ from consumer.batcher import Batcher
 from consumer.checkpoints import checkpoint_dir, checkpoint_step, resume_path
 from consumer.learner import Learner, make_learner
 from consumer.metrics import MetricsLogger
-from consumer.pruning import prune_versions
+from consumer.pruning import prune_redis_versions, prune_versions
 from consumer.validation import Validator
 from shared.codec import encode_trajectory
 from shared.config import RollstreamConfig
+from shared.keys import Keys
 from shared.ledger import Ledger, reconciles
 from shared.recording import Recorder
 from shared.status import loaded_versions
+from shared.weights_transport import share_weights
 
 log = logging.getLogger(__name__)
 
@@ -66,18 +68,21 @@ def run_trainer(cfg: RollstreamConfig, client: redis.Redis, *, consumer: str = "
             t0 = time.monotonic()
             stats = learner.train_step(batch)
             t1 = time.monotonic()
-            announcement = learner.publish(step + 1)
+            announcement = publish(cfg, client, batcher.keys, learner, step + 1)
             batcher.commit(batch, step + 1, announcement)
             if (step + 1) % cfg.save_steps == 0 or step + 1 == cfg.max_steps:
                 learner.save_checkpoint(checkpoint_dir(cfg, step + 1))  # after the commit: ledger and model agree
-            prune_versions(Path(cfg.output_dir) / "weights", loaded_versions(client, batcher.keys), step + 1)
+            loaded = loaded_versions(client, batcher.keys)
+            prune_versions(Path(cfg.output_dir) / "weights", loaded, step + 1)
+            if cfg.weights_transport == "redis":
+                prune_redis_versions(client, batcher.keys, loaded, step + 1)
             t2 = time.monotonic()
             if recorder:
                 for traj in batch.trajectories:
                     recorder.write(encode_trajectory(traj))
                 recorder.flush()
             counts = batcher.ledger.counters()
-            stats |= rollout_stats(batch.trajectories, step)
+            stats |= rollout_stats(batch.trajectories, step, cfg.async_generation_ratio)
             stats |= {"time/wait_s": batch.wait_s, "time/train_s": t1 - t0, "time/publish_s": t2 - t1}
             stats |= {f"groups/{k}": float(v) for k, v in counts.items()}
             stats |= {f"groups/step_{k}": float(v) for k, v in batch.dropped.items()}
@@ -98,6 +103,16 @@ def run_trainer(cfg: RollstreamConfig, client: redis.Redis, *, consumer: str = "
     done = batcher.ledger.version()
     return TrainSummary(done - start, done, batcher.ledger.counters(), str(plot) if plot else None,
                         dict(metrics.history))
+
+
+def publish(cfg: RollstreamConfig, client: redis.Redis, keys: Keys, learner: Learner, version: int,
+            suffix: str = "") -> dict[str, str | int]:
+    """Write the learner's weights as `version` and make them reachable over the configured transport;
+    returns what to announce. The version is announced only by the step's commit, after all of this."""
+    announcement = learner.publish(version, suffix)
+    if cfg.weights_transport == "redis":
+        announcement = share_weights(client, keys, announcement, int(cfg.weights_chunk_mb * 2**20))
+    return announcement
 
 
 def resume(cfg: RollstreamConfig, learner: Learner, ledger: Ledger, version: int) -> None:
@@ -121,5 +136,5 @@ def resume(cfg: RollstreamConfig, learner: Learner, ledger: Ledger, version: int
     if step < version:
         log.warning("resuming from %s: the model misses steps %d..%d (their groups were trained and acknowledged, "
                     "so they are not trained again); lower save_steps to lose less", path, step + 1, version)
-        ledger.announce(version, learner.publish(version, suffix=f"-resumed-from-{step}"))
+        ledger.announce(version, publish(cfg, ledger.client, ledger.keys, learner, version, f"-resumed-from-{step}"))
     log.info("resumed from %s at version %d", path, version)
