@@ -31,6 +31,11 @@ def learner_config(tmp_path: Path, model_dir: Path, strategy: str, *overrides: s
     ])
 
 
+def even_first_token(reply: list[int]) -> float:
+    """The rule the learner tests reward: a reply that starts with an even token id."""
+    return 1.0 if reply and reply[0] % 2 == 0 else 0.0
+
+
 class TinySampler:
     """Samples replies from a tiny model at temperature 1 and records their raw logprobs, as an engine does."""
 
@@ -142,3 +147,17 @@ def make_batch(groups: Sequence[Sequence[Trajectory]], step: int = 0) -> Batch:
             group.members[t.member] = t
         out.append(group)
     return Batch(step, out)
+
+
+def draw_until_mixed(draw: Callable[[], list[list[Trajectory]]], attempts: int = 20) -> list[list[Trajectory]]:
+    """Groups from `draw` in which every group has members of different scores (else all advantages are 0).
+
+    An untrained model's first token is near uniform, so a rule like "even first token" leaves a group of 4
+    unmixed about one draw in eight; drawing again from the same generator stays deterministic for a given model
+    and seed without depending on which tokenizer the env corpus happened to produce.
+    """
+    for _ in range(attempts):
+        groups = draw()
+        if all(len({t.score for t in group}) > 1 for group in groups):
+            return groups
+    raise AssertionError(f"{attempts} draws never gave every group mixed rewards: is the tiny model degenerate?")

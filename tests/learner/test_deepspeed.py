@@ -12,7 +12,8 @@ from consumer.policy_learner import PolicyLearner
 from shared.schema import Trajectory
 from shared.weights_io import load_safetensors_dir, weights_path_from_uri
 
-from .helpers import TinySampler, learner_config, make_batch, sample_single_turn_groups
+from .helpers import (TinySampler, draw_until_mixed, even_first_token, learner_config, make_batch,
+                      sample_single_turn_groups)
 
 pytestmark = [
     # DeepSpeed's engine imports its Muon optimizer module, which applies torch.compile at import time; that
@@ -23,15 +24,10 @@ pytestmark = [
 ]
 
 
-def first_token_parity(reply: list[int]) -> float:
-    return 1.0 if reply and reply[0] % 2 == 0 else 0.0
-
-
 @pytest.fixture(scope="module")
 def groups(tiny_model: Path) -> list[list[Trajectory]]:
-    groups = sample_single_turn_groups(TinySampler(tiny_model, seed=5), 2, 4, first_token_parity)
-    assert any(0 < sum(t.score for t in g) < len(g) for g in groups)
-    return groups
+    sampler = TinySampler(tiny_model, seed=5)
+    return draw_until_mixed(lambda: sample_single_turn_groups(sampler, 2, 4, even_first_token))
 
 
 def learner(tmp_path: Path, model: Path, strategy: str, *overrides: str) -> PolicyLearner:

@@ -15,7 +15,8 @@ from shared.config import RollstreamConfig
 from shared.schema import Trajectory
 from shared.weights_io import load_safetensors_dir
 
-from .helpers import TinySampler, learner_config, make_batch, sample_single_turn_groups, sample_two_turn_group
+from .helpers import (TinySampler, draw_until_mixed, even_first_token, learner_config, make_batch,
+                      sample_single_turn_groups, sample_two_turn_group)
 from .ranks import run_ranks
 
 pytestmark = [
@@ -36,19 +37,14 @@ COMMON = ("actor_train.training_args.weight_decay=0.01", "actor_train.training_a
 STAGES = {2: ("old_logprobs=engine",), 3: ("old_logprobs=recompute",)}
 
 
-def first_token_parity(reply: list[int]) -> float:
-    return 1.0 if reply and reply[0] % 2 == 0 else 0.0
-
-
 @pytest.fixture(scope="module")
 def groups(tiny_model: Path) -> list[list[Trajectory]]:
     # One-turn and two-turn episodes: rows of two lengths, so shards balanced by tokens differ in rows.
     sampler = TinySampler(tiny_model, seed=5)
-    groups = [*sample_single_turn_groups(sampler, 1, 4, first_token_parity),
-              sample_two_turn_group(sampler, 1, 4, ["Turn 2\nState:\n_P\n_G", "Turn 2\nState:\n__\nPG"],
-                                    first_token_parity)]
-    assert all(0 < sum(t.score for t in g) < 2 * len(g) for g in groups)
-    return groups
+    return draw_until_mixed(lambda: [
+        *sample_single_turn_groups(sampler, 1, 4, even_first_token),
+        sample_two_turn_group(sampler, 1, 4, ["Turn 2\nState:\n_P\n_G", "Turn 2\nState:\n__\nPG"],
+                              even_first_token)])
 
 
 @pytest.fixture(scope="module")

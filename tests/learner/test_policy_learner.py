@@ -19,17 +19,12 @@ from shared.config import ConfigError
 from shared.schema import Trajectory
 from shared.weights_io import verify_digest, weights_path_from_uri
 
-from .helpers import (TinySampler, learner_config, make_batch, sample_single_turn_groups,
-                      sample_two_turn_group)
+from .helpers import (TinySampler, draw_until_mixed, even_first_token, learner_config, make_batch,
+                      sample_single_turn_groups, sample_two_turn_group)
 
 METRICS = ("loss/pg", "loss/kl", "loss/entropy", "actor/clip_frac", "actor/approx_kl", "actor/grad_norm",
            "actor/lr", "adv/mean", "adv/std", "adv/min", "adv/max", "actor/ratio_mean", "actor/tokens_per_s",
            "time/advantages_s", "time/update_s")
-
-
-def even_first_token(reply: list[int]) -> float:
-    """The rule the policy should learn: a reply that starts with an even token id is rewarded."""
-    return 1.0 if reply and reply[0] % 2 == 0 else 0.0
 
 
 @pytest.fixture(scope="module")
@@ -39,10 +34,8 @@ def sampler(tiny_model: Path) -> TinySampler:
 
 @pytest.fixture(scope="module")
 def groups(sampler: TinySampler) -> list[list[Trajectory]]:
-    groups = sample_single_turn_groups(sampler, groups=2, group_size=4, reward=even_first_token)
-    # Both groups need rewarded and unrewarded replies, or their advantages are all 0.
-    assert all(0 < sum(t.score for t in g) < len(g) for g in groups)
-    return groups
+    return draw_until_mixed(lambda: sample_single_turn_groups(sampler, groups=2, group_size=4,
+                                                              reward=even_first_token))
 
 
 def torch_learner(tmp_path: Path, model: Path, *overrides: str) -> PolicyLearner:
@@ -98,7 +91,8 @@ def test_gigpo_recompute_kl_and_entropy_together(tmp_path: Path, tiny_model: Pat
     """Two-turn episodes with per-turn GiGPO advantages, recomputed old logprobs, a KL penalty and an entropy
     bonus, two PPO epochs of two mini-batches each."""
     observations = ["Turn 2\nState:\n_P\n_G", "Turn 2\nState:\n__\nPG"]
-    groups = [sample_two_turn_group(sampler, g, 4, observations, even_first_token) for g in range(2)]
+    groups = draw_until_mixed(lambda: [sample_two_turn_group(sampler, g, 4, observations, even_first_token)
+                                       for g in range(2)])
     learner = torch_learner(tmp_path, tiny_model, "adv_estimator=gigpo", "gamma=0.9", "old_logprobs=recompute",
                             "init_kl_coef=0.1", "entropy_loss_coef=0.01", "ppo_epochs=2",
                             "actor_train.training_args.max_tokens_per_microbatch=200")

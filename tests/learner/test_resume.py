@@ -14,7 +14,8 @@ from consumer.train import resume
 from shared.config import ConfigError
 from shared.keys import Keys
 from shared.ledger import Ledger
-from tests.learner.helpers import TinySampler, learner_config, make_batch, sample_single_turn_groups
+from tests.learner.helpers import (TinySampler, even_first_token, learner_config, make_batch,
+                                   sample_single_turn_groups)
 
 
 def _params(learner) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
@@ -25,7 +26,7 @@ def _params(learner) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
 def test_resume_from_an_older_checkpoint_reannounces_its_weights(transport: str, tmp_path: Path, tiny_model: Path,
                                                                  redis_client: redis.Redis) -> None:
     groups = sample_single_turn_groups(TinySampler(tiny_model, seed=5), groups=2, group_size=4,
-                                       reward=lambda reply: float(bool(reply) and reply[0] % 2 == 0))
+                                       reward=even_first_token)
     cfg = learner_config(tmp_path, tiny_model, "torch_train", f"weights_transport={transport}")
     first = make_learner(cfg)
     first.train_step(make_batch(groups, 0))
