@@ -63,10 +63,6 @@ class TextEnv(gym.Env[str, str], ABC):
     def render_text(self) -> str:
         """The current state as text (the observation)."""
 
-    def observation(self) -> str:
-        """What the policy reads each turn: the text rendering, unless a subclass lays it out for a tokenizer."""
-        return self.render_text()
-
     @abstractmethod
     def render_rgb(self) -> np.ndarray:
         """The current state as an (H, W, 3) uint8 image."""
@@ -104,7 +100,7 @@ class TextEnv(gym.Env[str, str], ABC):
         self._new_episode(game_seed)
         self._turn = 0
         self._done = False
-        return self.observation(), {"success": False, "actions_left": self.actions_left}
+        return self.render_text(), {"success": False, "actions_left": self.actions_left}
 
     def step(self, reply: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
         """Parse `reply`, play its action (or charge the format penalty) and report the new state."""
@@ -124,7 +120,7 @@ class TextEnv(gym.Env[str, str], ABC):
             "success": self.is_success(),
             "actions_left": self.actions_left,
         }
-        return self.observation(), float(reward), terminated, truncated, info
+        return self.render_text(), float(reward), terminated, truncated, info
 
     def render(self) -> np.ndarray:
         """gymnasium's render API: the only render mode is rgb_array."""

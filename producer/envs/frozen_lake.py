@@ -12,7 +12,6 @@ from gymnasium.envs.toy_text.frozen_lake import generate_random_map
 
 from producer.envs.base import TextEnv, check_positive_int
 from producer.envs.render import CellStyle, draw_grid
-from producer.envs.text import spaced_grid
 
 ACTIONS = ("Left", "Down", "Right", "Up")
 """In gymnasium's order: the index of a name is its gymnasium action."""
@@ -91,9 +90,9 @@ class FrozenLakeEnv(TextEnv):
             raise ValueError(f"is_slippery must be true or false, got {is_slippery!r}")
         self.p = float(p)
         self.is_slippery = is_slippery
-        self.observation_space = spaces.Text(  # size rows of size cells, spaced (see `observation`)
-            max_length=self.size * 2 * self.size - 1,
-            charset="".join(STYLES) + " \n",
+        self.observation_space = spaces.Text(
+            max_length=self.size * (self.size + 1) - 1,
+            charset="".join(STYLES) + "\n",
         )
         self.desc: list[str] = []
         self._lake: GymFrozenLake | None = None
@@ -132,9 +131,6 @@ class FrozenLakeEnv(TextEnv):
             )
             for r, row in enumerate(self.desc)
         )
-
-    def observation(self) -> str:
-        return spaced_grid(self.render_text())
 
     def render_rgb(self) -> np.ndarray:
         return draw_grid(self.render_text().split("\n"), STYLES)

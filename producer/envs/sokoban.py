@@ -12,7 +12,6 @@ from gymnasium import spaces
 
 from producer.envs.base import TextEnv, check_positive_int
 from producer.envs.render import CellStyle, draw_grid
-from producer.envs.text import spaced_grid
 
 Pos = tuple[int, int]
 
@@ -315,8 +314,7 @@ class SokobanEnv(TextEnv):
         self.vocab = _check_vocab(grid_vocab)
         self.styles = {self.vocab[kind]: style for kind, style in _KIND_STYLES.items()}
         rows, cols = self.dim_room
-        self.observation_space = spaces.Text(max_length=rows * 2 * cols - 1,  # spaced cells (see `observation`)
-                                             charset="".join(self.styles) + " \n")
+        self.observation_space = spaces.Text(max_length=rows * (cols + 1) - 1, charset="".join(self.styles) + "\n")
         self._room: Room | None = None
 
     @property
@@ -339,9 +337,6 @@ class SokobanEnv(TextEnv):
 
     def render_text(self) -> str:
         return self.room.to_text(self.vocab)
-
-    def observation(self) -> str:
-        return spaced_grid(self.render_text())
 
     def render_rgb(self) -> np.ndarray:
         return draw_grid(self.render_text().split("\n"), self.styles)

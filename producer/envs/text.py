@@ -45,17 +45,6 @@ def reply_instructions(action_names: Sequence[str]) -> str:
     )
 
 
-def spaced_grid(grid: str) -> str:
-    """A text grid with its cells separated by spaces.
-
-    A BPE tokenizer merges runs of grid symbols into tokens of varying width ("_P", "__", "___"), so the
-    column of a cell, and what lies next to or below the player, depends on how the row happened to split.
-    With spaces each cell is one token (" _", " P") and a row is always the same number of tokens, so
-    "right of" and "below" are fixed offsets a small model can learn.
-    """
-    return "\n".join(" ".join(row) for row in grid.split("\n"))
-
-
 def turn_prompt(turn: int, observation: str, actions_left: int, max_response_tokens: int) -> str:
     """The user message of one turn: turn number (from 1), the state, actions left and the reply budget."""
     return (
