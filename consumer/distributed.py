@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from consumer.policy_learner import STRATEGY_DIR, PolicyLearner, plan_update, run_shard
-from consumer.strategy import make_strategy
+from consumer.strategy import launched_world_size, make_strategy
 from consumer.tensors import TokenBatch
 from shared.config import ConfigError, RollstreamConfig
 
@@ -34,11 +34,6 @@ TRAIN, PUBLISH, SAVE, LOAD, STOP = "train", "publish", "save", "load", "stop"
 CONTROL_TIMEOUT = timedelta(days=1)
 """How long a follower waits for the leader's next message. The leader may wait long for a batch (producers
 slow or down) and that must not break the group; collectives inside a step keep the default timeout."""
-
-
-def launched_world_size() -> int:
-    """WORLD_SIZE as a launcher set it (1 without one)."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 class Control:

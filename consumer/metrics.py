@@ -15,6 +15,8 @@ log = logging.getLogger(__name__)
 CURVES = ("rollout/success", "rollout/score", "rollout/valid_action_rate", "val/success",
           "time/wait_s", "time/train_s")
 """Metrics plotted in learning_curves.png, when the run logged them."""
+BESIDE = {"val/success": ("val_sampled/success",)}
+"""Curves drawn on another curve's panel: sampled held-out success beside the greedy one."""
 
 
 class MetricsLogger:
@@ -53,12 +55,14 @@ class MetricsLogger:
 
         fig, axes = plt.subplots(len(curves), 1, figsize=(7, 2.2 * len(curves)), sharex=True, squeeze=False)
         for ax, key in zip(axes[:, 0], curves):
-            steps, values = zip(*self.history[key])
-            ax.plot(steps, values, marker="." if len(steps) < 50 else None, label=key)
-            if key == "val/success":  # the yardsticks, on the same maps
+            marker = "." if len(self.history[key]) < 50 else None
+            for curve in (key, *BESIDE.get(key, ())):
+                if self.history.get(curve):
+                    ax.plot(*zip(*self.history[curve]), marker=marker, label=curve)
+            if key == "val/success":  # the yardsticks, on the same maps (colours after the curves')
                 refs = sorted(k for k in self.history if k.startswith("val/") and "/ref_" in k)
                 for i, ref in enumerate(refs):
-                    ax.axhline(self.history[ref][-1][1], linestyle="--", linewidth=0.8, color=f"C{1 + i % 9}",
+                    ax.axhline(self.history[ref][-1][1], linestyle="--", linewidth=0.8, color=f"C{2 + i % 8}",
                                label=ref.removeprefix("val/"))
                 ax.legend(fontsize=6, loc="upper left")
             ax.set_ylabel(key, fontsize=8)

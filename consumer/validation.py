@@ -1,14 +1,16 @@
 """Validation rounds: pause train admission, have the workers play the val envs once, score them, resume.
 
 Round n plays a fixed set of held-out episodes (the seed of val group g is a function of (seed, g) only, so
-every round plays the same maps and rounds compare). Val trajectories travel on their own stream, `<ns>:val`,
-so they can never enter a train batch.
+every round plays the same maps and rounds compare): each map once greedily (`val/...`) and
+`val_sampled_episodes` times sampled as in training (`val_sampled/...`). Val trajectories travel on their own
+stream, `<ns>:val`, so they can never enter a train batch.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 
 import redis
 
@@ -17,7 +19,7 @@ from consumer.reader import StreamReader
 from shared.config import RollstreamConfig
 from shared.keys import TRAINER_GROUP, Keys
 from shared.layout import plan_layout
-from shared.schema import GroupDropNotice, Trajectory, parse_group_id
+from shared.schema import VAL_GREEDY_MEMBER, GroupDropNotice, Trajectory, parse_group_id
 from shared.seeding import episode_seed
 
 log = logging.getLogger(__name__)
@@ -28,7 +30,8 @@ class Validator:
         self.client = client
         self.cfg = cfg
         self.keys = Keys.for_exp(cfg.exp_name)
-        self.expected = len(plan_layout(cfg.val_env_manager, cfg.custom_envs, "val_env_manager").groups)
+        self.members = 1 + cfg.val_sampled_episodes
+        self.expected = len(plan_layout(cfg.val_env_manager, cfg.custom_envs, "val_env_manager").groups) * self.members
         self.reader = StreamReader(client, self.keys, self.keys.val, consumer,
                                    count=cfg.redis.read_count, block_ms=cfg.redis.block_ms)
         client.delete(self.keys.paused)  # a trainer that died mid-round must not leave producers paused
@@ -45,7 +48,9 @@ class Validator:
         finally:
             self.client.delete(self.keys.paused)
             self._announce({"kind": "resume", "round": round_})
-        stats = per_tag_stats("val", trajs) | self.references
+        greedy = [t for t in trajs if t.member == VAL_GREEDY_MEMBER]
+        sampled = [t for t in trajs if t.member != VAL_GREEDY_MEMBER]
+        stats = per_tag_stats("val", greedy) | per_tag_stats("val_sampled", sampled) | self.references
         stats |= {"val/episodes": float(len(trajs)), "val/failed": float(failed),
                   "val/missing": float(self.expected - len(trajs) - failed), "time/val_s": time.monotonic() - start}
         return stats
@@ -56,25 +61,29 @@ class Validator:
     def _collect(self, round_: int) -> tuple[list[Trajectory], int]:
         deadline = time.monotonic() + self.cfg.group_timeout_s
         trajs: dict[str, Trajectory] = {}
-        failed: set[str] = set()
-        while len(trajs) + len(failed) < self.expected and time.monotonic() < deadline:
+        failed: Counter[str] = Counter()  # notices per group: one per failed member
+
+        def done() -> int:
+            return len(trajs) + sum(min(n, self.members) for n in failed.values())
+
+        while done() < self.expected and time.monotonic() < deadline:
             entries = self.reader.read()
             for entry in entries:
                 item = entry.item
                 if _round_of(item.group_id) != round_:
                     continue  # left over from an interrupted round
                 if isinstance(item, GroupDropNotice):
-                    failed.add(item.group_id)
+                    failed[item.group_id] += 1
                 else:
-                    trajs[item.group_id] = item
+                    trajs[item.traj_id] = item  # a worker restarted mid-round plays its share again
             if entries:
                 ids = [e.entry_id for e in entries]
                 with self.client.pipeline(transaction=True) as pipe:
                     pipe.xack(self.keys.val, TRAINER_GROUP, *ids).xdel(self.keys.val, *ids).execute()
-        if len(trajs) + len(failed) < self.expected:
+        if done() < self.expected:
             log.warning("validation round %d: %d of %d episodes arrived within group_timeout_s",
-                        round_, len(trajs) + len(failed), self.expected)
-        return list(trajs.values()), len(failed)
+                        round_, done(), self.expected)
+        return list(trajs.values()), done() - len(trajs)
 
 
 def reference_stats(cfg: RollstreamConfig) -> dict[str, float]:

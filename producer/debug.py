@@ -73,7 +73,7 @@ def debug_env(cfg: RollstreamConfig, tag: str, policy_name: str, seed: int, out:
 
     spec = EpisodeSpec("train", tag, 0, 0, 0, seed)
     render_dir = Path(cfg.render_save_dir) if cfg.render_save_dir else None
-    sampling = Sampling(cfg.custom_envs[tag].max_tokens_per_step, cfg.actor_infer.generating_args.temperature)
+    sampling = Sampling.training(cfg.custom_envs[tag].max_tokens_per_step, cfg.actor_infer.generating_args)
 
     async def play() -> Trajectory:
         narrated = _Narrated(policy, out)

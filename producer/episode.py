@@ -14,6 +14,7 @@ from producer.envs.render import save_frame
 from producer.envs.text import turn_prompt
 from producer.policy.base import GenerateRequest, Generation, Policy, SamplingParams
 from producer.policy.conversation import ChatTemplateDeltas, Conversation
+from shared.config import GeneratingArgs
 from shared.schema import Trajectory, Turn, make_group_id, make_traj_id
 from shared.seeding import turn_seed
 
@@ -41,6 +42,11 @@ class Sampling:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+
+    @classmethod
+    def training(cls, max_tokens: int, gen: GeneratingArgs) -> Sampling:
+        """The settings train episodes sample with (actor_infer.generating_args)."""
+        return cls(max_tokens, gen.temperature, gen.top_p, gen.top_k)
 
 
 async def play_episode(env: TextEnv, policy: Policy, spec: EpisodeSpec, sampling: Sampling,

@@ -28,7 +28,7 @@ from shared.config import RollstreamConfig
 from shared.keys import Keys
 from shared.layout import GroupSpec, plan_layout
 from shared.ledger import Admission, AsyncAdmissions
-from shared.schema import GroupDropNotice, Trajectory, group_prefix
+from shared.schema import VAL_GREEDY_MEMBER, GroupDropNotice, Trajectory, group_prefix
 from shared.seeding import episode_seed
 from shared.weights_io import weights_path_from_uri
 from shared.weights_transport import drop_downloads, fetch_weights
@@ -286,8 +286,7 @@ class GroupRunner:
         return make_env(self.spec.tag, self.worker.cfg.custom_envs)
 
     def _sampling(self) -> Sampling:
-        gen = self.worker.cfg.actor_infer.generating_args
-        return Sampling(self.env_cfg.max_tokens_per_step, gen.temperature, gen.top_p, gen.top_k)
+        return Sampling.training(self.env_cfg.max_tokens_per_step, self.worker.cfg.actor_infer.generating_args)
 
     async def _report_failed(self, k: int, group_id: str, detail: str) -> None:
         if k in self.failed:
@@ -312,8 +311,9 @@ class GroupRunner:
 
 
 class ValidationPlayer:
-    """This worker's share of the val groups (dealt round-robin over the train workers), one episode each per
-    round, at temperature 0, at most val_env_manager.max_env_num_per_worker at once."""
+    """This worker's share of the val groups (dealt round-robin over the train workers), played once per round
+    greedily (member 0) and `val_sampled_episodes` times at the training sampling settings (members 1..n), at
+    most val_env_manager.max_env_num_per_worker episodes at once."""
 
     def __init__(self, worker: EnvWorker) -> None:
         self.worker = worker
@@ -322,30 +322,33 @@ class ValidationPlayer:
         if cfg.eval_steps:
             val = plan_layout(cfg.val_env_manager, cfg.custom_envs, "val_env_manager")
             self.groups = [g for g in val.groups if g.group_index % worker.layout.num_workers == worker.rank]
+        self.members = 1 + cfg.val_sampled_episodes
         self.concurrency = cfg.val_env_manager.max_env_num_per_worker
 
     async def play_round(self, round_: int, version: int) -> None:
         await self.worker.ensure_version(version)
         slots = asyncio.Semaphore(self.concurrency)
 
-        async def play(spec: GroupSpec) -> None:
+        async def play(spec: GroupSpec, member: int) -> None:
             async with slots:
-                await self._play(spec, round_)
+                await self._play(spec, round_, member)
 
-        await asyncio.gather(*(play(g) for g in self.groups))
+        await asyncio.gather(*(play(g, m) for g in self.groups for m in range(self.members)))
 
-    async def _play(self, group: GroupSpec, round_: int) -> None:
+    async def _play(self, group: GroupSpec, round_: int, member: int) -> None:
         cfg, worker = self.worker.cfg, self.worker
         # Every round plays the same held-out maps: the seed ignores the round.
-        spec = EpisodeSpec("val", group.tag, group.group_index, round_, 0,
+        spec = EpisodeSpec("val", group.tag, group.group_index, round_, member,
                            episode_seed(cfg.seed, "val", group.group_index, 0), worker.rank)
-        sampling = Sampling(cfg.custom_envs[group.tag].max_tokens_per_step, temperature=0.0)
+        max_tokens = cfg.custom_envs[group.tag].max_tokens_per_step
+        sampling = (Sampling(max_tokens, temperature=0.0) if member == VAL_GREEDY_MEMBER
+                    else Sampling.training(max_tokens, cfg.actor_infer.generating_args))
         try:
             traj = await worker.play(make_env(group.tag, cfg.custom_envs), spec, sampling)
         except asyncio.CancelledError:
             raise
         except Exception as e:
-            log.exception("worker %d: validation episode %s failed", worker.rank, spec.group_id)
+            log.exception("worker %d: validation episode %s member %d failed", worker.rank, spec.group_id, member)
             notice = GroupDropNotice(spec.group_id, "error", f"{type(e).__name__}: {e}"[:500], worker.rank)
             await worker.publish(encode_drop(notice), worker.keys.val)
             return

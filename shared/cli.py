@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
 import sys
 import threading
@@ -125,6 +124,8 @@ def _producer(args: argparse.Namespace) -> int:
 
 
 def _trainer(args: argparse.Namespace) -> int:
+    from consumer.distributed import Follower, start_rank
+    from consumer.strategy import launched_world_size
     from consumer.train import run_trainer
 
     cfg = _load(args)
@@ -134,9 +135,7 @@ def _trainer(args: argparse.Namespace) -> int:
         # rank 0's stop message, which rank 0 sends once its loop has drained.
         signal.signal(sig, lambda *_: stop.set())
     learner = None
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun / deepspeed: every rank runs this command
-        from consumer.distributed import Follower, start_rank
-
+    if launched_world_size() > 1:  # torchrun / deepspeed: every rank runs this command
         learner = start_rank(cfg)
         if isinstance(learner, Follower):
             learner.run()

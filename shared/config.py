@@ -147,6 +147,9 @@ class RollstreamConfig:
     logging_steps: int = 1
     eval_steps: int = 0
     """Validate (val_env_manager, temperature 0) before every step divisible by this and after the last; 0: never."""
+    val_sampled_episodes: int = 1
+    """Validation also plays each held-out map this many times sampled (actor_infer.generating_args), as
+    `val/sampled/...`: what the training policy does, beside the greedy `val/...`. 0: greedy only."""
     resume_from_checkpoint: Any = False
 
     rollout_batch_size: int = 64
@@ -255,6 +258,7 @@ def validate(cfg: RollstreamConfig) -> None:
     _positive(cfg.save_steps, "save_steps", allow_zero=False)
     _positive(cfg.logging_steps, "logging_steps", allow_zero=False)
     _positive(cfg.eval_steps, "eval_steps", allow_zero=True)
+    _positive(cfg.val_sampled_episodes, "val_sampled_episodes", allow_zero=True)
     _positive(cfg.ppo_epochs, "ppo_epochs", allow_zero=False)
     if cfg.async_generation_ratio < 0:
         raise ConfigError(

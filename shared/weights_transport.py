@@ -21,6 +21,7 @@ import redis
 import redis.asyncio
 
 from shared.keys import Keys
+from shared.weights_io import weights_path_from_uri
 
 SCHEME = "redis-chunks:"
 _MANIFEST = "manifest"
@@ -35,8 +36,6 @@ def share_weights(client: redis.Redis, keys: Keys, announcement: dict[str, str |
     uri = str(announcement.get("uri", ""))
     if not uri:
         return announcement
-    from shared.weights_io import weights_path_from_uri
-
     model_dir = weights_path_from_uri(uri)
     name = model_dir.name
     files = sorted((p for p in model_dir.rglob("*") if p.is_file()), key=lambda p: p.relative_to(model_dir).as_posix())

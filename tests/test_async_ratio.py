@@ -87,5 +87,7 @@ def test_version_cap_holds_over_hundreds_of_steps(ratio: int, tmp_path, redis_se
     if ratio == 2:
         assert learner.max_in_flight > GROUPS_PER_BATCH  # generation really ran ahead of training
         assert learner.mixed_version_trajectories > 0  # weights changed mid-episode, turns say so
-    assert summary.history["val/episodes"] == [(s, 6.0) for s in (0, 50, 100, 150)]  # every round complete
+    # Every round complete: 6 held-out episodes, each played greedily and once sampled.
+    assert summary.history["val/episodes"] == [(s, 12.0) for s in (0, 50, 100, 150)]
+    assert len(summary.history["val/FrozenLake/success"]) == len(summary.history["val_sampled/FrozenLake/success"]) == 4
     assert redis_client.xlen(keys.val) == 0 and not redis_client.exists(keys.paused)

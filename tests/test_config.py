@@ -34,6 +34,7 @@ def test_overrides_apply_and_interpolate(tmp_path: Path) -> None:
         ("redis.block_ms=60000", "must stay below redis.socket_timeout_s"),
         ("weights_transport=s3", "weights_transport='s3': must be one of filesystem, redis"),
         ("weights_chunk_mb=0", "weights_chunk_mb=0.0: must be > 0.0"),
+        ("val_sampled_episodes=-1", "val_sampled_episodes=-1: must be an integer >= 0"),
         ("max_steps=zero", "'max_steps'"),
         ("no_such_key=1", "no_such_key"),
     ],

@@ -70,12 +70,16 @@ class OptimSettings:
                    args.lr_scheduler_type)
 
 
+def launched_world_size() -> int:
+    """WORLD_SIZE as a launcher (torchrun, deepspeed) set it; 1 without one."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def data_parallel_size(cfg: RollstreamConfig) -> int:
-    """Ranks that share each mini-batch: the WORLD_SIZE a launcher (torchrun, deepspeed) sets, for
-    deepspeed_train; 1 otherwise."""
+    """Ranks that share each mini-batch: the launched world size for deepspeed_train, 1 otherwise."""
     if cfg.actor_train.strategy_args.strategy_name != "deepspeed_train":
         return 1
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    return launched_world_size()
 
 
 def minibatch_size(cfg: RollstreamConfig) -> int:

@@ -3,6 +3,7 @@ their shard, and the result is the one-process step on the whole batch; publicat
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ from shared.weights_io import load_safetensors_dir
 
 from .helpers import (TinySampler, draw_until_mixed, even_first_token, learner_config, make_batch,
                       sample_single_turn_groups, sample_two_turn_group)
-from .ranks import run_ranks
+from .ranks import RESUME, SAVE, STEP, run_ranks
 
 pytestmark = [
     # As in test_deepspeed (the one-process reference runs here): DeepSpeed's import-time torch.compile and
@@ -27,12 +28,11 @@ pytestmark = [
         r"ignore:`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated:FutureWarning"),
 ]
 
-# Mini-batches of 4 rows: 2 ranks x per_device_train_batch_size 2, against 1 process x 2 x 2 accumulation steps.
-# A token budget of 100 (two short rows, or one long one) gives the ranks unequal micro-batch counts (see
-# test_the_plan_pads), and two epochs give a shard rows from different mini-batches.
-COMMON = ("actor_train.training_args.weight_decay=0.01", "actor_train.training_args.max_grad_norm=0.5",
-          "actor_train.training_args.per_device_train_batch_size=2",
-          "actor_train.training_args.max_tokens_per_microbatch=100", "ppo_epochs=2")
+# Mini-batches of 4 rows: 2 ranks x per_device_train_batch_size 2, against 1 process x 2 x 2 accumulation steps;
+# two epochs give a shard rows from different mini-batches. The token budget per micro-batch is chosen from the
+# sampled rows' lengths (`common` below) so that the ranks' micro-batch counts differ.
+BASE = ("actor_train.training_args.weight_decay=0.01", "actor_train.training_args.max_grad_norm=0.5",
+        "actor_train.training_args.per_device_train_batch_size=2", "ppo_epochs=2")
 # ZeRO-3 also recomputes old logprobs: forwards gather parameters there, so their count is padded too.
 STAGES = {2: ("old_logprobs=engine",), 3: ("old_logprobs=recompute",)}
 
@@ -48,27 +48,55 @@ def groups(tiny_model: Path) -> list[list[Trajectory]]:
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path,
-              groups: list[list[Trajectory]]) -> tuple[Path, dict[str, dict[str, float]]]:
+def common(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path,
+           groups: list[list[Trajectory]]) -> tuple[str, ...]:
+    """BASE with a seed (the mini-batch shuffle) and a token budget under which the ranks' plans differ in
+    length, so the runs below exercise zero-weight micro-batches and padded logprob forwards (ZeRO reduces in
+    backward and, at stage 3, gathers in forward: a rank that ran fewer would hang the others). Found by trying
+    them: row lengths depend on the tokenizer the env corpus trained."""
+    trajs = [t for g in groups for t in g]
+    tokens = build_token_batch(trajs, [0.0] * len(trajs))
+    lengths = tokens.lengths.tolist()
+    tmp = tmp_path_factory.mktemp("budget")
+    for seed, budget in itertools.product(range(10), range(max(lengths), 3 * max(lengths))):
+        overrides = (*BASE, f"seed={seed}", f"actor_train.training_args.max_tokens_per_microbatch={budget}")
+        cfg = one_process_config(tmp, tiny_model, overrides, 2)
+        shards = plan_update(tokens, UpdateSettings.from_config(cfg), torch.Generator().manual_seed(seed), 2)
+        if (any(len(step.microbatches) < step.num_microbatches for shard in shards for step in shard.steps)
+                and any(len(shard.logprob_microbatches) < shard.num_logprob_microbatches for shard in shards)):
+            return overrides
+    raise AssertionError(f"no seed and token budget make the 2-rank plan pad for rows of lengths {lengths}")
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, groups: list[list[Trajectory]],
+              common: tuple[str, ...]) -> tuple[Path, dict[str, dict[str, float]]]:
     """One 2-rank session (the imports and the process group are the slow part) running a step per ZeRO stage."""
     root = tmp_path_factory.mktemp("ranks")
-    runs = [(f"zero{stage}", (*COMMON, *mode, "actor_train.training_args.gradient_accumulation_steps=1",
-                              f"actor_train.strategy_args.strategy_config={{zero_stage: {stage}}}"))
-            for stage, mode in STAGES.items()]
+    runs = [(f"zero{stage}", two_rank_overrides(common, stage), STEP) for stage in STAGES]
+    # A checkpoint written by both ranks and read back by both: ZeRO-2 (each rank holds half the optimizer state).
+    runs += [("saved", two_rank_overrides(common, 2), SAVE),
+             ("resumed", two_rank_overrides(common, 2), f"{RESUME}:saved")]
     return root, run_ranks(2, root, tiny_model, groups, runs)
 
 
-def one_process_config(tmp: Path, model: Path, stage: int) -> RollstreamConfig:
-    return learner_config(tmp, model, "deepspeed_train", *COMMON, *STAGES[stage],
+def two_rank_overrides(common: tuple[str, ...], stage: int) -> tuple[str, ...]:
+    """The config of one_process_config on two ranks: half the accumulation per rank, the same mini-batches."""
+    return (*common, *STAGES[stage], "actor_train.training_args.gradient_accumulation_steps=1",
+            f"actor_train.strategy_args.strategy_config={{zero_stage: {stage}}}")
+
+
+def one_process_config(tmp: Path, model: Path, common: tuple[str, ...], stage: int) -> RollstreamConfig:
+    return learner_config(tmp, model, "deepspeed_train", *common, *STAGES[stage],
                           "actor_train.training_args.gradient_accumulation_steps=2",
                           f"actor_train.strategy_args.strategy_config={{zero_stage: {stage}}}")
 
 
-def one_process(tmp: Path, tiny_model: Path, groups: list[list[Trajectory]],
+def one_process(tmp: Path, tiny_model: Path, groups: list[list[Trajectory]], common: tuple[str, ...],
                 stage: int) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
     """The same step in one process on the whole batch, same ZeRO stage. (Against torch_train ZeRO-3 differs by
     up to 3e-5 after these 4 steps, in one process as in two: its own rounding, which would hide a rank's.)"""
-    learner = make_learner(one_process_config(tmp, tiny_model, stage))
+    learner = make_learner(one_process_config(tmp, tiny_model, common, stage))
     try:
         metrics = learner.train_step(make_batch(groups))
         learner.publish(1)
@@ -78,21 +106,11 @@ def one_process(tmp: Path, tiny_model: Path, groups: list[list[Trajectory]],
 
 
 @pytest.mark.parametrize("stage", STAGES)
-def test_the_plan_pads(tmp_path: Path, tiny_model: Path, groups: list[list[Trajectory]], stage: int) -> None:
-    """The runs below exercise zero-weight micro-batches (and padded forwards): the ranks' counts differ."""
-    cfg = one_process_config(tmp_path, tiny_model, stage)
-    trajs = [t for g in groups for t in g]
-    shards = plan_update(build_token_batch(trajs, [0.0] * len(trajs)), UpdateSettings.from_config(cfg),
-                         torch.Generator().manual_seed(cfg.seed), world_size=2)
-    assert any(len(step.microbatches) < step.num_microbatches for shard in shards for step in shard.steps)
-    assert any(len(shard.logprob_microbatches) < shard.num_logprob_microbatches for shard in shards)
-
-
-@pytest.mark.parametrize("stage", STAGES)
 def test_two_rank_step_equals_one_process_step(tmp_path: Path, two_ranks: tuple[Path, dict[str, dict[str, float]]],
-                                               tiny_model: Path, groups: list[list[Trajectory]], stage: int) -> None:
+                                               tiny_model: Path, groups: list[list[Trajectory]],
+                                               common: tuple[str, ...], stage: int) -> None:
     root, metrics = two_ranks
-    m_one, w_one = one_process(tmp_path, tiny_model, groups, stage)
+    m_one, w_one = one_process(tmp_path, tiny_model, groups, common, stage)
     m_two = metrics[f"zero{stage}"]
     assert m_two["actor/optimizer_steps"] == m_one["actor/optimizer_steps"] == 4
     # grad_norm also catches a gradient off by a constant factor, to which Adam's update is nearly blind.
@@ -117,3 +135,15 @@ def test_two_ranks_publish_one_directory(two_ranks: tuple[Path, dict[str, dict[s
     published = weights / "v1"
     assert (published / "config.json").exists() and (published / "tokenizer.json").exists()
     assert metrics[f"zero{stage}"]["publish/digest"]
+
+
+def test_two_ranks_resume_from_their_checkpoint(two_ranks: tuple[Path, dict[str, dict[str, float]]]) -> None:
+    """Save after step 1, train step 2; resume in fresh processes, train step 2 again: the same weights, so every
+    rank restored its optimizer partition (a rank that restarted its Adam moments from zero would differ)."""
+    root, metrics = two_ranks
+    assert (root / "saved" / "checkpoint").is_dir()
+    saved = load_safetensors_dir(root / "saved" / "out" / "weights" / "v2")
+    resumed = load_safetensors_dir(root / "resumed" / "out" / "weights" / "v2")
+    for name, value in saved.items():
+        torch.testing.assert_close(resumed[name], value, rtol=0, atol=1e-6, msg=name)
+    assert metrics["resumed"]["loss/pg"] == pytest.approx(metrics["saved"]["loss/pg"], rel=1e-5, abs=1e-7)
