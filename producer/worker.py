@@ -35,6 +35,9 @@ from shared.weights_transport import drop_downloads, fetch_weights
 
 log = logging.getLogger(__name__)
 
+SHUTDOWN_REPORT_S = 15.0
+"""How long a stopping worker spends telling the trainer which admitted episodes it abandons."""
+
 
 @dataclass
 class WorkerStats:
@@ -95,7 +98,13 @@ class EnvWorker:
             for task in [playing, *background, stopped, *self._val_tasks]:
                 task.cancel()
             await asyncio.gather(playing, *background, stopped, *self._val_tasks, return_exceptions=True)
-            await self._report_shutdown(groups)
+            try:
+                # Bounded: a stopping worker must exit even if Redis stalls; the trainer's group_timeout_s
+                # returns the slots of episodes it could not report.
+                await asyncio.wait_for(self._report_shutdown(groups), SHUTDOWN_REPORT_S)
+            except asyncio.TimeoutError:
+                log.warning("worker %d: reporting unfinished episodes took over %.0f s; leaving them to the "
+                            "trainer's group_timeout_s", self.rank, SHUTDOWN_REPORT_S)
         if failure is not None:
             raise failure
 

@@ -3,23 +3,24 @@
 from __future__ import annotations
 
 import asyncio
+import io
 import threading
 from contextlib import contextmanager
 from typing import Iterator
-
-import redis.asyncio
 
 from producer.policy.factory import make_policy
 from producer.worker import EnvWorker
 from shared.config import RollstreamConfig
 from shared.layout import plan_layout
+from shared.redis_io import connect_async
 
 
 async def run_workers(cfg: RollstreamConfig, url: str, *, episodes_per_group: int | None = None,
                       started: threading.Event | None = None, stop: asyncio.Event | None = None) -> list[EnvWorker]:
     """All ranks of the layout in this event loop, until burst mode ends or `stop` is set."""
     layout = plan_layout(cfg.train_env_manager, cfg.custom_envs, "train_env_manager")
-    clients = [redis.asyncio.Redis.from_url(url) for _ in range(layout.num_workers)]
+    # As the producer command connects: socket timeouts and retries, so a lost reply cannot hang a worker.
+    clients = [await connect_async(url, cfg.redis) for _ in range(layout.num_workers)]
     workers = [EnvWorker(cfg, rank, client, make_policy(cfg), episodes_per_group=episodes_per_group)
                for rank, client in enumerate(clients)]
     runs = [asyncio.create_task(w.run()) for w in workers]
@@ -62,6 +63,12 @@ def workers_in_thread(cfg: RollstreamConfig, url: str) -> Iterator[None]:
     finally:
         loop.call_soon_threadsafe(stop.set)
         thread.join(180)
-        assert not thread.is_alive(), "workers did not stop"
+        if thread.is_alive():
+            # What the workers are stuck in: the loop's pending tasks and where each waits (read from this
+            # thread while the loop is idle in select, for the failure message only).
+            stacks = io.StringIO()
+            for task in list(asyncio.all_tasks(loop)):
+                task.print_stack(limit=8, file=stacks)
+            raise AssertionError(f"workers did not stop within 180 s; pending tasks:\n{stacks.getvalue()}")
         if errors:
             raise errors[0]
