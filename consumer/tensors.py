@@ -212,8 +212,7 @@ def plan_shards(tokens: TokenBatch, world_size: int, *, epochs: int, minibatch_s
             micro = [microbatch_indices(lengths, part, max_tokens=max_tokens, max_rows=max_rows) if len(part) else []
                      for part in parts]
             global_steps.append((micro, normalizer))
-    # One process keeps every row (its frozen logprobs then cover the batch exactly as before sharding existed).
-    rows = [list(range(tokens.num_rows))] if world_size == 1 else [sorted(a) for a in assigned]
+    rows = [sorted(a) for a in assigned]  # every epoch deals every row: one process gets them all
     logprob_micro = [microbatch_indices(lengths, torch.tensor(r, dtype=torch.long), max_tokens=max_tokens,
                                         max_rows=max_rows) if r else [] for r in rows]
     num_logprob = max(len(m) for m in logprob_micro)

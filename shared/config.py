@@ -149,7 +149,7 @@ class RollstreamConfig:
     """Validate (val_env_manager, temperature 0) before every step divisible by this and after the last; 0: never."""
     val_sampled_episodes: int = 1
     """Validation also plays each held-out map this many times sampled (actor_infer.generating_args), as
-    `val/sampled/...`: what the training policy does, beside the greedy `val/...`. 0: greedy only."""
+    `val_sampled/...`: what the training policy does, beside the greedy `val/...`. 0: greedy only."""
     resume_from_checkpoint: Any = False
 
     rollout_batch_size: int = 64
