@@ -1,6 +1,8 @@
 """The policy-gradient loss and its parts, token by token. Pure torch functions.
 
-Every per-token tensor is (B, T - 1), aligned on target tokens (see `consumer.tensors`). Losses are summed over
+Every per-token tensor is (B, T - 1), aligned on target tokens (see `consumer.tensors`). Logits are computed only
+where a response token is predicted (N, V): most of a multi-turn trajectory is prompt, so the lm_head and the
+softmax over the vocabulary would otherwise dominate the cost of a small model. Losses are summed over
 response tokens and divided by a `normalizer` the caller chooses: the number of response tokens in the whole
 mini-batch, so that gradient accumulation over micro-batches of any size gives exactly the token mean.
 """
@@ -16,21 +18,36 @@ import torch
 MAX_LOG_RATIO = 20.0
 
 
-def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-    """log p(input_ids[:, j + 1] | input_ids[:, : j + 1]) as (B, T - 1), in float32.
+def response_positions(response_mask: torch.Tensor) -> torch.Tensor:
+    """(B, T) bool: the positions whose logits predict a response token. Column j of the (B, T - 1) response mask
+    is about token j + 1, which the logits at position j predict; the last position predicts nothing."""
+    return torch.nn.functional.pad(response_mask > 0, (0, 1))
 
-    Gather minus logsumexp rather than a full log_softmax: one (B, T, V) float tensor fewer.
+
+def response_targets(input_ids: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """The response tokens of a (B, T) batch as (N,), in the row-major order of `response_positions`."""
+    return input_ids[:, 1:][response_mask > 0]
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log p(target) for logits (..., V) and targets (...), in float32.
+
+    Gather minus logsumexp rather than a full log_softmax: one float tensor of the logits' size fewer.
     """
-    logits = logits[:, :-1].float()
-    targets = input_ids[:, 1:].unsqueeze(-1)
-    return logits.gather(-1, targets).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    logits = logits.float()
+    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
 def token_entropy(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of the next-token distribution at every target position, (B, T - 1)."""
-    logits = logits[:, :-1].float()
-    logp = torch.log_softmax(logits, dim=-1)
+    """Entropy of each next-token distribution of logits (..., V), as (...)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
     return -(logp.exp() * logp).sum(dim=-1)
+
+
+def scatter_response(values: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """Per-response-token values (N,) laid out as (B, T - 1), zero elsewhere (differentiable in `values`)."""
+    return torch.zeros(response_mask.shape, dtype=values.dtype, device=values.device).masked_scatter(
+        response_mask > 0, values)
 
 
 def masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

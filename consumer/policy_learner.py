@@ -40,9 +40,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from consumer.advantages import AdvantageSettings, compute_advantages
 from consumer.batcher import Batch
-from consumer.loss import (approx_kl, kl_k3, masked_sum, ppo_policy_loss, token_entropy, token_logprobs,
-                           truncated_importance_weights)
-from consumer.strategy import TrainStrategy, minibatch_size
+from consumer.loss import (approx_kl, kl_k3, masked_sum, ppo_policy_loss, response_positions, response_targets,
+                           scatter_response, token_entropy, token_logprobs, truncated_importance_weights)
+from consumer.strategy import TrainStrategy, causal_lm_logits, minibatch_size
 from consumer.tensors import Shard, TokenBatch, build_token_batch, plan_shards
 from shared.config import RollstreamConfig
 
@@ -52,7 +52,8 @@ OLD_LOGPROB_SOURCES = ("engine", "recompute")
 LEARNER_STATE_FILE = "learner.pt"
 STRATEGY_DIR = "strategy"
 """The strategy's part of a checkpoint directory."""
-Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+"""(input_ids, attention_mask, positions) -> logits; see `TrainStrategy.forward`."""
 
 
 @dataclass(frozen=True)
@@ -189,9 +190,9 @@ def load_reference(cfg: RollstreamConfig, device: torch.device) -> Forward:
                                                  attn_implementation=cfg.actor_train.model_args.attn_implementation)
     model = model.to(device).eval().requires_grad_(False)
 
-    def forward(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-        return out.logits  # type: ignore[no-any-return]
+    def forward(input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        return causal_lm_logits(model, model.get_output_embeddings(), input_ids, attention_mask, positions)
 
     return forward
 
@@ -210,7 +211,7 @@ def frozen_logprobs(forward: Forward, shard: Shard, device: torch.device, pad: b
     out = torch.zeros_like(tokens.response_mask)
     for rows in shard.logprob_microbatches:
         part = tokens.rows(rows).to(device)
-        logprobs = token_logprobs(forward(part.input_ids, part.attention_mask), part.input_ids)
+        _, logprobs = response_logprobs(forward, part)
         out[rows, : logprobs.shape[1]] = logprobs.float().cpu()
     for _ in range(shard.num_logprob_microbatches - len(shard.logprob_microbatches) if pad else 0):
         idle_logits(forward, device)
@@ -218,16 +219,24 @@ def frozen_logprobs(forward: Forward, shard: Shard, device: torch.device, pad: b
 
 
 def idle_logits(forward: Forward, device: torch.device) -> torch.Tensor:
-    """Logits of a two-token dummy row: the forward a rank with nothing left to do runs to match the others."""
+    """Logits of a two-token dummy row: the forward a rank with nothing left to do runs to match the others.
+    It takes the same path as a real micro-batch (logits at chosen positions), so ZeRO-3 gathers the same modules."""
     ids = torch.zeros((1, 2), dtype=torch.long, device=device)
-    return forward(ids, torch.ones_like(ids))
+    return forward(ids, torch.ones_like(ids), torch.tensor([[True, False]], device=device))
 
 
-def microbatch_loss(logits: torch.Tensor, part: TokenBatch, settings: UpdateSettings,
+def response_logprobs(forward: Forward, part: TokenBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logits where `part` has a response token to predict, (N, V), and that token's logprob as (B, T - 1)."""
+    logits = forward(part.input_ids, part.attention_mask, response_positions(part.response_mask))
+    logprobs = token_logprobs(logits, response_targets(part.input_ids, part.response_mask))
+    return logits, scatter_response(logprobs, part.response_mask)
+
+
+def microbatch_loss(forward: Forward, part: TokenBatch, settings: UpdateSettings,
                     normalizer: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The loss of one micro-batch, scaled so that summing over a mini-batch gives token means; and sums for metrics."""
     mask = part.response_mask
-    logprobs = token_logprobs(logits, part.input_ids)
+    logits, logprobs = response_logprobs(forward, part)
     # The ratio's anchor, and the off-policy weight where the anchor is not the behaviour policy.
     if settings.old_logprobs == "engine":
         old, weights = part.behaviour_logprobs, None
@@ -250,7 +259,7 @@ def microbatch_loss(logits: torch.Tensor, part: TokenBatch, settings: UpdateSett
         sums["kl"] = kl.detach()
     # The entropy keeps its graph only when it is part of the loss.
     with torch.set_grad_enabled(settings.entropy_coef != 0 and torch.is_grad_enabled()):
-        entropy = masked_sum(token_entropy(logits), mask)
+        entropy = token_entropy(logits).sum()  # the logits are the response positions' only
     if settings.entropy_coef != 0:
         loss = loss - settings.entropy_coef * entropy / normalizer
     sums["entropy"] = entropy.detach()
@@ -354,8 +363,7 @@ def run_shard(strategy: TrainStrategy, shard: Shard, settings: UpdateSettings,
         # Every micro-batch's loss is divided by the mini-batch's token count: accumulated, a token mean.
         for rows in step.microbatches:
             part = tokens.rows(rows).to(strategy.device)
-            logits = strategy.forward(part.input_ids, part.attention_mask)
-            loss, sums = microbatch_loss(logits, part, settings, step.normalizer)
+            loss, sums = microbatch_loss(strategy.forward, part, settings, step.normalizer)
             strategy.backward(loss)
             tally.add_microbatch(sums, part)
         for _ in range(step.num_microbatches - len(step.microbatches)):

@@ -16,6 +16,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -106,6 +107,22 @@ def load_model(settings: ModelSettings) -> PreTrainedModel:
     return model  # type: ignore[no-any-return]
 
 
+def causal_lm_logits(model: Callable[..., Any], output_embeddings: torch.nn.Module, input_ids: torch.Tensor,
+                     attention_mask: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """A causal LM's logits (B, T, V), or with `positions` ((B, T) bool) only those positions' logits, (N, V).
+
+    For the latter the model computes no logits at all (an empty `logits_to_keep`) and its output embeddings are
+    applied to the last hidden states at `positions` only. `model` is the module or the engine wrapping it: a
+    DeepSpeed engine must see the whole forward. Called as modules, the output embeddings keep ZeRO-3's hooks.
+    """
+    if positions is None:
+        return model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits  # type: ignore
+    no_logits = torch.empty(0, dtype=torch.long, device=input_ids.device)
+    out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=no_logits,
+                output_hidden_states=True)
+    return output_embeddings(out.hidden_states[-1][positions])  # type: ignore[no-any-return]
+
+
 def make_scheduler(optimizer: Any, settings: OptimSettings) -> torch.optim.lr_scheduler.LRScheduler:
     """transformers' schedules, stepped once per optimizer step. Its "constant" ignores warmup, so a constant
     schedule with warmup steps becomes "constant_with_warmup"."""
@@ -121,8 +138,10 @@ class TrainStrategy(Protocol):
     """The unwrapped transformers model."""
     device: torch.device
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """Logits (B, T, V) from the training model (with grad unless the caller disables it)."""
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (B, T, V) from the training model (with grad unless the caller disables it); with `positions`
+        ((B, T) bool) only the logits there, as (N, V) in row-major order (see `causal_lm_logits`)."""
         ...
 
     def backward(self, loss: torch.Tensor) -> None:

@@ -32,7 +32,7 @@ from typing import Any
 import deepspeed
 import torch
 
-from consumer.strategy import ModelSettings, OptimSettings, load_model, make_scheduler
+from consumer.strategy import ModelSettings, OptimSettings, causal_lm_logits, load_model, make_scheduler
 from shared.config import ConfigError
 from shared.weights_io import save_pretrained_atomically
 
@@ -118,9 +118,10 @@ class DeepSpeedStrategy:
         self.device = torch.device(self.engine.device)
         self.world_size = world_size()
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        out = self.engine(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-        return out.logits  # type: ignore[no-any-return]
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        return causal_lm_logits(self.engine, self.model.get_output_embeddings(), input_ids, attention_mask,
+                                positions)
 
     def backward(self, loss: torch.Tensor) -> None:
         # The caller already divided by the token count of the whole mini-batch (all ranks), so the gradient

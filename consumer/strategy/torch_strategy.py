@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from consumer.strategy import ModelSettings, OptimSettings, load_model, make_scheduler
+from consumer.strategy import ModelSettings, OptimSettings, causal_lm_logits, load_model, make_scheduler
 from shared.config import ConfigError
 from shared.weights_io import save_pretrained_atomically
 
@@ -41,12 +41,13 @@ class TorchStrategy:
         )
         self.scheduler = make_scheduler(self.optimizer, optim)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
         autocast = (torch.autocast(self.device.type, dtype=self.autocast_dtype) if self.autocast_dtype
                     else contextlib.nullcontext())
         with autocast:
-            out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-        return out.logits  # type: ignore[no-any-return]
+            return causal_lm_logits(self.model, self.model.get_output_embeddings(), input_ids, attention_mask,
+                                    positions)
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from consumer.loss import (approx_kl, kl_k3, ppo_policy_loss, token_entropy, token_logprobs,
-                           truncated_importance_weights)
+from consumer.loss import (approx_kl, kl_k3, ppo_policy_loss, response_positions, response_targets,
+                           scatter_response, token_entropy, token_logprobs, truncated_importance_weights)
 
 
 def loss_and_grad(ratio: float, advantage: float, *, clip_eps: float = 0.2, ratio_cap: float = 3.0):
@@ -76,8 +76,23 @@ def test_k3_kl() -> None:
 def test_token_logprobs_and_entropy() -> None:
     torch.manual_seed(0)
     logits = torch.randn(2, 5, 7)
-    ids = torch.randint(0, 7, (2, 5))
-    expected = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
-    torch.testing.assert_close(token_logprobs(logits, ids), expected)
-    uniform = torch.zeros(1, 3, 7)
-    torch.testing.assert_close(token_entropy(uniform), torch.full((1, 2), math.log(7)))
+    targets = torch.randint(0, 7, (2, 5))
+    expected = torch.log_softmax(logits, -1).gather(-1, targets[..., None])[..., 0]
+    torch.testing.assert_close(token_logprobs(logits, targets), expected)
+    torch.testing.assert_close(token_entropy(torch.zeros(3, 7)), torch.full((3,), math.log(7)))
+
+
+def test_response_positions_pick_the_logits_that_predict_response_tokens() -> None:
+    """Logits taken only at `response_positions` give, scattered back, exactly the full batch's target logprobs
+    on the response tokens (column j of the mask is about token j + 1, predicted at position j)."""
+    torch.manual_seed(0)
+    full_logits = torch.randn(2, 6, 7, requires_grad=True)
+    ids = torch.randint(0, 7, (2, 6))
+    mask = torch.tensor([[0, 1, 1, 0, 1], [0, 0, 0, 1, 1]], dtype=torch.float32)
+    positions = response_positions(mask)
+    assert positions.tolist() == [[False, True, True, False, True, False], [False, False, False, True, True, False]]
+    picked = scatter_response(token_logprobs(full_logits[positions], response_targets(ids, mask)), mask)
+    everywhere = token_logprobs(full_logits[:, :-1], ids[:, 1:]) * mask
+    torch.testing.assert_close(picked, everywhere)
+    picked.sum().backward()  # the scatter keeps the graph
+    assert full_logits.grad is not None and float(full_logits.grad[0, 0].abs().sum()) == 0.0
