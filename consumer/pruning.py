@@ -10,7 +10,10 @@ import redis
 
 from shared.keys import Keys
 
-_VERSION_NAME = re.compile(r"v(\d+)(-resumed-from-\d+)?")
+_VERSION_NAME = re.compile(r"(?:\.tmp-|\.trash-)?v(\d+)(?:-resumed-from-\d+)?(?:-[0-9a-f]{8}|:tmp-[0-9a-f]{8})?")
+"""A published version (v<N>, v<N>-resumed-from-<S>), or what an interrupted write left of one: a `.tmp-` or
+`.trash-` directory, a `:tmp-` Redis key. The trainer prunes after its own writes have finished, so a leftover of
+a version no worker can need is garbage, whatever state it was left in."""
 
 
 def _prunable(name: str, loaded: list[int], newest: int) -> bool:

@@ -67,10 +67,12 @@ def test_an_announcement_without_weights_is_not_shared(redis_client: redis.Redis
 
 
 def test_redis_copies_are_pruned_once_every_live_worker_moved_past_them(redis_client: redis.Redis) -> None:
-    for name in ("v1", "v2", "v2-resumed-from-1", "v3", "v3:tmp-1234abcd"):
+    for name in ("v1", "v1:tmp-0a1b2c3d", "v2", "v2-resumed-from-1", "v3", "v3:tmp-1234abcd"):
         redis_client.hset(KEYS.weights_blob(name), "manifest", b"x")
     assert prune_redis_versions(redis_client, KEYS, loaded=[], newest=3) == []
-    assert sorted(prune_redis_versions(redis_client, KEYS, loaded=[2, 3], newest=3)) == [KEYS.weights_blob("v1")]
+    # v1:tmp-... is what a trainer killed inside share_weights leaves behind.
+    assert sorted(prune_redis_versions(redis_client, KEYS, loaded=[2, 3], newest=3)) == [
+        KEYS.weights_blob("v1"), KEYS.weights_blob("v1:tmp-0a1b2c3d")]
     prune_redis_versions(redis_client, KEYS, loaded=[7], newest=3)
     left = sorted(k.decode().removeprefix(KEYS.weights_blob("")) for k in redis_client.keys(f"{KEYS.ns}:weights:*"))
     assert left == ["v3", "v3:tmp-1234abcd"]

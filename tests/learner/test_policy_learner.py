@@ -171,6 +171,10 @@ def test_make_strategy_names_bad_options(tmp_path: Path, tiny_model: Path) -> No
     cfg = learner_config(tmp_path, tiny_model, "torch_train", "actor_train.strategy_args.strategy_config={gpus: 2}")
     with pytest.raises(ConfigError, match="unknown key.*gpus.*valid: device"):
         make_strategy(cfg)
+    cfg = learner_config(tmp_path, tiny_model, "torch_train",
+                         "actor_train.strategy_args.strategy_config={device: cpu, cpu_threads: 0}")
+    with pytest.raises(ConfigError, match="cpu_threads=0: must be a positive int"):
+        make_strategy(cfg)
     cfg = learner_config(tmp_path, tiny_model, "deepspeed_train",
                          "actor_train.strategy_args.strategy_config={zero_stage: 4}")
     with pytest.raises(ConfigError, match="zero_stage=4"):
