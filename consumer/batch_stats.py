@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -16,10 +16,10 @@ def rollout_stats(trajs: Sequence[Trajectory], step: int, max_staleness: int = 0
     The staleness histogram is one share per value, `staleness/0` .. `staleness/<max_staleness>` (the
     async ratio), present every step so its curves are continuous; a value beyond it still gets its key."""
     stats = per_tag_stats("rollout", trajs)
-    staleness = np.array([step - t.version for t in trajs])
-    stats["rollout/staleness_mean"] = float(staleness.mean()) if len(trajs) else 0.0
-    stats["rollout/staleness_max"] = float(staleness.max()) if len(trajs) else 0.0
-    hist = dict.fromkeys(range(max_staleness + 1), 0) | staleness_histogram(trajs, step)
+    staleness = [step - t.version for t in trajs]
+    stats["rollout/staleness_mean"] = float(np.mean(staleness)) if trajs else 0.0
+    stats["rollout/staleness_max"] = float(max(staleness, default=0))
+    hist = dict.fromkeys(range(max_staleness + 1), 0) | Counter(staleness)
     stats |= {f"staleness/{k}": n / max(len(trajs), 1) for k, n in sorted(hist.items())}
     stats["rollout/tokens"] = float(sum(t.num_tokens for t in trajs))
     return stats
@@ -48,11 +48,3 @@ def _summary(prefix: str, trajs: Iterable[Trajectory]) -> dict[str, float]:
         f"{prefix}/num_actions": float(np.mean([t.num_actions for t in trajs])),
         f"{prefix}/valid_action_rate": float(np.mean([turn.action_is_valid for turn in turns])) if turns else 0.0,
     }
-
-
-def staleness_histogram(trajs: Sequence[Trajectory], step: int) -> dict[int, int]:
-    """How many trajectories were generated how many versions before `step`."""
-    hist: dict[int, int] = defaultdict(int)
-    for t in trajs:
-        hist[step - t.version] += 1
-    return dict(sorted(hist.items()))

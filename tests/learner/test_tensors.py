@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from consumer.tensors import build_token_batch, microbatch_indices, minibatch_indices, token_advantages
+from consumer.tensors import (TokenBatch, build_token_batch, microbatch_indices, minibatch_indices, plan_shards,
+                              token_advantages)
 
 from .helpers import make_trajectory
 
@@ -61,3 +62,30 @@ def test_minibatches_cover_every_row_once() -> None:
     parts = minibatch_indices(10, 4, torch.Generator().manual_seed(0))
     assert [len(p) for p in parts] == [4, 4, 2]
     assert sorted(torch.cat(parts).tolist()) == list(range(10))
+
+
+def synthetic_batch(lengths: list[int], response_tokens: int = 2) -> TokenBatch:
+    """Rows of the given lengths, each ending in `response_tokens` generated tokens."""
+    width = max(lengths)
+    attention = torch.tensor([[1] * n + [0] * (width - n) for n in lengths])
+    response = torch.zeros(len(lengths), width - 1)
+    for row, n in enumerate(lengths):
+        response[row, n - 1 - response_tokens:n - 1] = 1.0
+    return TokenBatch(input_ids=torch.zeros(len(lengths), width, dtype=torch.long), attention_mask=attention,
+                      response_mask=response, behaviour_logprobs=-response, advantages=response.clone())
+
+
+def test_ranks_with_fewer_microbatches_are_padded_to_the_most() -> None:
+    """One long row against three short ones: balanced by tokens, rank 0 gets the long row alone (one micro-batch)
+    and rank 1 the short ones, which a 20-token budget packs into two; rank 0 must pad one backward."""
+    tokens = synthetic_batch([100, 10, 10, 10])
+    one, = plan_shards(tokens, 1, epochs=1, minibatch_size=4, generator=torch.Generator().manual_seed(0),
+                       max_tokens=20, max_rows=99)
+    rank0, rank1 = plan_shards(tokens, 2, epochs=1, minibatch_size=4, generator=torch.Generator().manual_seed(0),
+                               max_tokens=20, max_rows=99)
+    assert rank0.tokens.num_rows == 1 and rank1.tokens.num_rows == 3
+    (step0,), (step1,) = rank0.steps, rank1.steps
+    assert [len(m) for m in step0.microbatches] == [1] and [len(m) for m in step1.microbatches] == [2, 1]
+    assert step0.num_microbatches == step1.num_microbatches == 2  # rank 0 runs one zero-weight backward
+    assert step0.normalizer == step1.normalizer == one.steps[0].normalizer == 8.0  # the whole mini-batch's tokens
+    assert rank0.num_logprob_microbatches == rank1.num_logprob_microbatches == 2
