@@ -84,7 +84,8 @@ class EnvWorker:
         groups = [GroupRunner(self, spec) for spec in self.layout.groups_of(self.rank)]
         log.info("worker %d: %d groups, %d envs", self.rank, len(groups), len(groups) * self.layout.group_size)
         stream_ids = await self._load_published_version()
-        background = [asyncio.create_task(self._follow_streams(stream_ids)), asyncio.create_task(self._heartbeat())]
+        background = [asyncio.create_task(self._follow_streams(stream_ids), name="follow-streams"),
+                      asyncio.create_task(self._heartbeat(), name="heartbeat")]
         members = [asyncio.create_task(g.run_member(m), name=f"g{g.spec.group_index}/m{m}")
                    for g in groups for m in range(self.layout.group_size)]
         playing = asyncio.gather(*members)
@@ -95,9 +96,19 @@ class EnvWorker:
             if playing.done() and not playing.cancelled():
                 failure = playing.exception()  # a member crashed: clean up, then re-raise
         finally:
-            for task in [playing, *background, stopped, *self._val_tasks]:
+            # The loops also end by this flag: redis-py can swallow a cancellation that lands inside a blocking
+            # command (redis/redis-py#2028, #2579), and a `while True` loop would then never return.
+            self.stop.set()
+            tasks = [playing, *background, stopped, *self._val_tasks]
+            for task in tasks:
                 task.cancel()
-            await asyncio.gather(playing, *background, stopped, *self._val_tasks, return_exceptions=True)
+            done, stuck = await asyncio.wait(tasks, timeout=SHUTDOWN_REPORT_S)
+            for task in done:  # retrieved, so none is logged as never retrieved; a member's failure is re-raised
+                if not task.cancelled():
+                    task.exception()
+            if stuck:
+                log.warning("worker %d: %d tasks did not stop within %.0f s, left behind: %s", self.rank, len(stuck),
+                            SHUTDOWN_REPORT_S, ", ".join(getattr(t, "get_name", lambda: "env members")() for t in stuck))
             try:
                 # Bounded: a stopping worker must exit even if Redis stalls; the trainer's group_timeout_s
                 # returns the slots of episodes it could not report.
@@ -157,7 +168,7 @@ class EnvWorker:
         return ids
 
     async def _follow_streams(self, ids: dict[str, bytes | str]) -> None:
-        while True:
+        while not self.stop.is_set():
             replies = await self.client.xread(ids, block=self.cfg.redis.block_ms)  # type: ignore[arg-type]
             for stream, entries in replies:
                 name = stream.decode()
@@ -200,7 +211,7 @@ class EnvWorker:
     async def _heartbeat(self) -> None:
         key, every = self.keys.worker(self.rank), self.cfg.redis.heartbeat_s
         host, pid = socket.gethostname(), os.getpid()
-        while True:
+        while not self.stop.is_set():
             total = sum(self.stats.episodes.values())
             elapsed = max(time.time() - self.stats.started_at, 1e-9)
             await self.client.hset(key, mapping={
