@@ -107,8 +107,9 @@ class EnvWorker:
                 if not task.cancelled():
                     task.exception()
             if stuck:
+                names = ", ".join(getattr(t, "get_name", lambda: "env members")() for t in stuck)
                 log.warning("worker %d: %d tasks did not stop within %.0f s, left behind: %s", self.rank, len(stuck),
-                            SHUTDOWN_REPORT_S, ", ".join(getattr(t, "get_name", lambda: "env members")() for t in stuck))
+                            SHUTDOWN_REPORT_S, names)
             try:
                 # Bounded: a stopping worker must exit even if Redis stalls; the trainer's group_timeout_s
                 # returns the slots of episodes it could not report.
