@@ -146,3 +146,11 @@ def start_rank(cfg: RollstreamConfig) -> LeaderLearner | Follower:
     init_distributed()
     control = Control()  # every rank creates it at the same point, before the engine's own groups
     return LeaderLearner(cfg, control) if control.rank == 0 else Follower(cfg, control)
+
+
+def end_rank() -> None:
+    """Destroy this process's torch.distributed group before it exits, once its learner is closed. Left to
+    interpreter teardown, a multi-rank gloo group's threads can abort the process ("terminate called without an
+    active exception", exit -6) after all its work was done."""
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

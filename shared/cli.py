@@ -124,7 +124,7 @@ def _producer(args: argparse.Namespace) -> int:
 
 
 def _trainer(args: argparse.Namespace) -> int:
-    from consumer.distributed import Follower, start_rank
+    from consumer.distributed import Follower, end_rank, start_rank
     from consumer.strategy import launched_world_size
     from consumer.train import run_trainer
 
@@ -139,6 +139,7 @@ def _trainer(args: argparse.Namespace) -> int:
         learner = start_rank(cfg)
         if isinstance(learner, Follower):
             learner.run()
+            end_rank()
             return 0
     try:
         client = connect(_require_url(cfg), cfg.redis)
@@ -146,6 +147,7 @@ def _trainer(args: argparse.Namespace) -> int:
     finally:
         if learner is not None:
             learner.close()  # run_trainer closes it too; a second close is a no-op, a missed one hangs the ranks
+            end_rank()
     log.info("trainer done: version %d, groups %s%s", summary.last_version, summary.counters,
              f", curves in {summary.plot}" if summary.plot else "")
     return 0 if summary.last_version >= cfg.max_steps or stop.is_set() else 1

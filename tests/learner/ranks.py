@@ -73,7 +73,7 @@ def _rank_main(rank: int, world_size: int, port: int, tmp_path: Path, model: Pat
     try:
         import torch
 
-        from consumer.distributed import Follower, start_rank
+        from consumer.distributed import Follower, end_rank, start_rank
 
         torch.set_num_threads(1)  # N ranks on a small CI machine
         groups = pickle.loads((tmp_path / "groups.pkl").read_bytes())
@@ -97,6 +97,7 @@ def _rank_main(rank: int, world_size: int, port: int, tmp_path: Path, model: Pat
             finally:
                 learner.close()
             (tmp_path / name / "metrics.json").write_text(json.dumps(metrics))
+        end_rank()
     except BaseException:
         (tmp_path / f"rank{rank}.error").write_text(f"rank {rank}:\n{traceback.format_exc()}")
         raise
