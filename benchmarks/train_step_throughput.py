@@ -106,8 +106,9 @@ def main() -> None:
                                  device="cpu")
         paths = {"response logits": strategy, "full logits": FullLogits(strategy)}
         phases = list(itertools.product(sorted({1, cores}), paths))
-        busy = multiprocessing.Process(target=spin, args=(args.busy_core,), daemon=True)
+        busy = None
         if args.busy_core is not None:
+            busy = multiprocessing.Process(target=spin, args=(args.busy_core,), daemon=True)
             busy.start()
         try:
             timed_update(strategy, tokens, settings)  # warm-up: allocator, thread pool
@@ -118,7 +119,7 @@ def main() -> None:
                 took, losses[threads, name] = timed_update(paths[name], tokens, settings)
                 seconds[threads, name].append(took)
         finally:
-            if busy.is_alive():
+            if busy is not None:
                 busy.kill()
     prompt_and_reply = int(tokens.attention_mask.sum())
     beside = f"core {args.busy_core} kept busy" if args.busy_core is not None else "no other load"
