@@ -20,17 +20,15 @@ import asyncio
 import itertools
 import tempfile
 import time
+from collections.abc import Coroutine
 from pathlib import Path
-from typing import Coroutine
 
-import numpy as np
-
-from producer.envs.frozen_lake import FrozenLakeEnv
-from producer.episode import EpisodeSpec, Sampling, play_episode
-from producer.policy.base import GenerateRequest, Generation, Policy, SamplingParams
-from producer.policy.conversation import Conversation
-from producer.policy.factory import chat_template_of
-from producer.policy.tiny_model import build_tiny_model
+from rollstream.producer.episode import EpisodeSpec, Sampling, play_episode
+from rollstream.producer.policy.base import GenerateRequest, Generation, Policy, SamplingParams
+from rollstream.producer.policy.conversation import Conversation
+from rollstream.producer.policy.factory import chat_template_of
+from rollstream.shared.envs.frozen_lake import FrozenLakeEnv
+from rollstream.tiny_model import build_tiny_model
 
 MAX_TOKENS = 48
 
@@ -81,7 +79,7 @@ async def raw_client(meter: TokenMeter, requests: list[GenerateRequest], i: int,
 
 
 def first_turn_requests(policy: Policy, n: int) -> list[GenerateRequest]:
-    from producer.envs.text import turn_prompt
+    from rollstream.shared.envs.text import turn_prompt
 
     chat = chat_template_of(policy)
     assert chat is not None, "the benchmark needs a token-in/token-out backend"
@@ -106,10 +104,10 @@ async def env_client(meter: TokenMeter, i: int) -> None:
 
 def make_backend(name: str, model_dir: Path) -> Policy:
     if name == "vllm":
-        from producer.policy.vllm import VLLMPolicy
+        from rollstream.producer.policy.vllm import VLLMPolicy
 
         return VLLMPolicy(model_dir, gpu_memory_utilization=0.1, enforce_eager=True, max_model_len=2048)
-    from producer.policy.hf import HFPolicy
+    from rollstream.producer.policy.hf import HFPolicy
 
     return HFPolicy(model_dir)
 

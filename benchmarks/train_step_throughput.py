@@ -32,14 +32,14 @@ import numpy as np
 import torch
 from transformers import AutoTokenizer
 
-from consumer.policy_learner import UpdateSettings, ppo_update
-from consumer.strategy import ModelSettings, OptimSettings
-from consumer.strategy.torch_strategy import TorchStrategy
-from consumer.tensors import TokenBatch, build_token_batch
-from producer.envs.frozen_lake import FrozenLakeEnv
-from producer.policy.conversation import ChatTemplateDeltas
-from producer.policy.tiny_model import build_tiny_model, random_valid_conversation
-from shared.schema import Trajectory, make_group_id, make_traj_id
+from rollstream.consumer.learn.policy_learner import UpdateSettings, ppo_update
+from rollstream.consumer.learn.strategy import ModelSettings, OptimSettings
+from rollstream.consumer.learn.strategy.torch_strategy import TorchStrategy
+from rollstream.consumer.learn.tensors import TokenBatch, build_token_batch
+from rollstream.producer.policy.conversation import ChatTemplateDeltas
+from rollstream.shared.envs.frozen_lake import FrozenLakeEnv
+from rollstream.shared.schema import Trajectory, make_group_id, make_traj_id
+from rollstream.tiny_model import build_tiny_model, random_valid_conversation
 
 
 def frozen_lake_batch(model_dir: Path, trajectories: int, seed: int = 0) -> TokenBatch:

@@ -8,7 +8,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from shared.config import RollstreamConfig, as_dict
+from rollstream.shared.config import RollstreamConfig, as_dict
 
 log = logging.getLogger(__name__)
 

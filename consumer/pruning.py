@@ -8,7 +8,7 @@ from pathlib import Path
 
 import redis
 
-from shared.keys import Keys
+from rollstream.shared.keys import Keys
 
 _VERSION_NAME = re.compile(r"(?:\.tmp-|\.trash-)?v(\d+)(?:-resumed-from-\d+)?(?:-[0-9a-f]{8}|:tmp-[0-9a-f]{8})?")
 """A published version (v<N>, v<N>-resumed-from-<S>), or what an interrupted write left of one: a `.tmp-` or

@@ -15,20 +15,20 @@ from pathlib import Path
 import redis
 from tqdm import tqdm
 
-from consumer.batch_stats import rollout_stats
-from consumer.batcher import Batcher
-from consumer.checkpoints import checkpoint_dir, checkpoint_step, resume_path
-from consumer.learner import Learner, make_learner
-from consumer.metrics import MetricsLogger
-from consumer.pruning import prune_redis_versions, prune_versions
-from consumer.validation import Validator
-from shared.codec import encode_trajectory
-from shared.config import RollstreamConfig
-from shared.keys import Keys
-from shared.ledger import Ledger, reconciles
-from shared.recording import Recorder
-from shared.status import loaded_versions
-from shared.weights_transport import share_weights
+from rollstream.consumer.data.batch_stats import rollout_stats
+from rollstream.consumer.data.batcher import Batcher
+from rollstream.consumer.learn.checkpoints import checkpoint_dir, checkpoint_step, resume_path
+from rollstream.consumer.learn.learner import Learner, make_learner
+from rollstream.consumer.metrics import MetricsLogger
+from rollstream.consumer.pruning import prune_redis_versions, prune_versions
+from rollstream.consumer.validation import Validator
+from rollstream.shared.codec import encode_trajectory
+from rollstream.shared.config import RollstreamConfig
+from rollstream.shared.keys import Keys
+from rollstream.shared.ledger import Ledger, reconciles
+from rollstream.shared.recording import Recorder
+from rollstream.shared.status import loaded_versions
+from rollstream.shared.weights_transport import share_weights
 
 log = logging.getLogger(__name__)
 

@@ -14,13 +14,13 @@ from collections import Counter
 
 import redis
 
-from consumer.batch_stats import per_tag_stats
-from consumer.reader import StreamReader
-from shared.config import RollstreamConfig
-from shared.keys import TRAINER_GROUP, Keys
-from shared.layout import plan_layout
-from shared.schema import VAL_GREEDY_MEMBER, GroupDropNotice, Trajectory, parse_group_id
-from shared.seeding import episode_seed
+from rollstream.consumer.data.batch_stats import per_tag_stats
+from rollstream.consumer.data.reader import StreamReader
+from rollstream.shared.config import RollstreamConfig
+from rollstream.shared.keys import TRAINER_GROUP, Keys
+from rollstream.shared.layout import plan_layout
+from rollstream.shared.schema import VAL_GREEDY_MEMBER, GroupDropNotice, Trajectory, parse_group_id
+from rollstream.shared.seeding import episode_seed
 
 log = logging.getLogger(__name__)
 
@@ -88,8 +88,8 @@ class Validator:
 
 def reference_stats(cfg: RollstreamConfig) -> dict[str, float]:
     """`val/<tag>/ref_<policy>`: reference policies' success on exactly the held-out maps validation plays."""
-    from producer.envs.references import REFERENCES, reference_success
-    from producer.envs.registry import make_env
+    from rollstream.shared.envs.references import REFERENCES, reference_success
+    from rollstream.shared.envs.registry import make_env
 
     layout = plan_layout(cfg.val_env_manager, cfg.custom_envs, "val_env_manager")
     stats = {}

@@ -10,13 +10,13 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
-from producer.envs.registry import make_env
-from producer.episode import EpisodeSpec, Sampling, play_episode
-from producer.policy.base import GenerateRequest, Generation, Policy
-from producer.policy.factory import chat_template_of, make_policy
-from producer.policy.scripted import ScriptedPolicy
-from shared.config import RollstreamConfig
-from shared.schema import Trajectory, Turn
+from rollstream.shared.envs.registry import make_env
+from rollstream.producer.episode import EpisodeSpec, Sampling, play_episode
+from rollstream.producer.policy.base import GenerateRequest, Generation, Policy
+from rollstream.producer.policy.factory import chat_template_of, make_policy
+from rollstream.producer.policy.scripted import ScriptedPolicy
+from rollstream.shared.config import RollstreamConfig
+from rollstream.shared.schema import Trajectory, Turn
 
 
 class HumanPolicy:

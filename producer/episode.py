@@ -9,14 +9,14 @@ from typing import Callable
 
 import numpy as np
 
-from producer.envs.base import TextEnv
-from producer.envs.render import save_frame
-from producer.envs.text import turn_prompt
-from producer.policy.base import GenerateRequest, Generation, Policy, SamplingParams
-from producer.policy.conversation import ChatTemplateDeltas, Conversation
-from shared.config import GeneratingArgs
-from shared.schema import Trajectory, Turn, make_group_id, make_traj_id
-from shared.seeding import turn_seed
+from rollstream.shared.envs.base import TextEnv
+from rollstream.shared.envs.render import save_frame
+from rollstream.shared.envs.text import turn_prompt
+from rollstream.producer.policy.base import GenerateRequest, Generation, Policy, SamplingParams
+from rollstream.producer.policy.conversation import ChatTemplateDeltas, Conversation
+from rollstream.shared.config import GeneratingArgs
+from rollstream.shared.schema import Trajectory, Turn, make_group_id, make_traj_id
+from rollstream.shared.seeding import turn_seed
 
 
 @dataclass(frozen=True)

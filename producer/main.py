@@ -6,10 +6,10 @@ import asyncio
 import logging
 import signal
 
-from producer.policy.factory import make_policy
-from producer.worker import EnvWorker
-from shared.config import RollstreamConfig
-from shared.redis_io import connect_async
+from rollstream.producer.policy.factory import make_policy
+from rollstream.producer.worker import EnvWorker
+from rollstream.shared.config import RollstreamConfig
+from rollstream.shared.redis_io import connect_async
 
 log = logging.getLogger(__name__)
 

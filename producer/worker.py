@@ -18,20 +18,20 @@ from pathlib import Path
 
 import redis.asyncio
 
-from producer.envs.base import TextEnv
-from producer.envs.registry import make_env
-from producer.episode import EpisodeSpec, Sampling, play_episode
-from producer.policy.base import Policy
-from producer.policy.factory import chat_template_of
-from shared.codec import encode_drop, encode_trajectory
-from shared.config import RollstreamConfig
-from shared.keys import Keys
-from shared.layout import GroupSpec, plan_layout
-from shared.ledger import Admission, AsyncAdmissions
-from shared.schema import VAL_GREEDY_MEMBER, GroupDropNotice, Trajectory, group_prefix
-from shared.seeding import episode_seed
-from shared.weights_io import weights_path_from_uri
-from shared.weights_transport import drop_downloads, fetch_weights
+from rollstream.shared.envs.base import TextEnv
+from rollstream.shared.envs.registry import make_env
+from rollstream.producer.episode import EpisodeSpec, Sampling, play_episode
+from rollstream.producer.policy.base import Policy
+from rollstream.producer.policy.factory import chat_template_of
+from rollstream.shared.codec import encode_drop, encode_trajectory
+from rollstream.shared.config import RollstreamConfig
+from rollstream.shared.keys import Keys
+from rollstream.shared.layout import GroupSpec, plan_layout
+from rollstream.shared.ledger import Admission, AsyncAdmissions
+from rollstream.shared.schema import VAL_GREEDY_MEMBER, GroupDropNotice, Trajectory, group_prefix
+from rollstream.shared.seeding import episode_seed
+from rollstream.shared.weights_io import weights_path_from_uri
+from rollstream.shared.weights_transport import drop_downloads, fetch_weights
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from typing import Any, Mapping
 import msgpack
 import numpy as np
 
-from shared.schema import GroupDropNotice, Trajectory, Turn
+from rollstream.shared.schema import GroupDropNotice, Trajectory, Turn
 
 SCHEMA_VERSION = 1
 _NDARRAY_EXT = 1

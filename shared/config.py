@@ -250,8 +250,8 @@ def to_yaml(cfg: RollstreamConfig) -> str:
 
 
 def validate(cfg: RollstreamConfig) -> None:
-    """Check what types alone cannot; the layout checks live in `shared.layout`."""
-    from shared.layout import plan_layout  # the layout owns the env-manager arithmetic
+    """Check what types alone cannot; the layout checks live in `rollstream.shared.layout`."""
+    from rollstream.shared.layout import plan_layout  # the layout owns the env-manager arithmetic
 
     _positive(cfg.max_steps, "max_steps", allow_zero=False)
     _positive(cfg.rollout_batch_size, "rollout_batch_size", allow_zero=False)

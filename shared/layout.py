@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping
 
 if TYPE_CHECKING:
-    from shared.config import CustomEnvConfig, EnvManagerConfig
+    from rollstream.shared.config import CustomEnvConfig, EnvManagerConfig
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ def plan_layout(
     em: "EnvManagerConfig", custom_envs: Mapping[str, "CustomEnvConfig"], section: str
 ) -> Layout:
     """Check one env manager section and lay its groups out on workers."""
-    from shared.config import ConfigError
+    from rollstream.shared.config import ConfigError
 
     for key in ("group_size", "num_env_groups", "max_env_num_per_worker"):
         if getattr(em, key) < 1:
@@ -69,7 +69,7 @@ def plan_layout(
 
 
 def _check_tags(tags: list[str], custom_envs: Mapping[str, "CustomEnvConfig"], section: str) -> list[str]:
-    from shared.config import ConfigError
+    from rollstream.shared.config import ConfigError
 
     if not tags:
         raise ConfigError(f"{section}.tags is empty: name at least one of custom_envs ({', '.join(custom_envs)})")
@@ -87,7 +87,7 @@ def _check_tags(tags: list[str], custom_envs: Mapping[str, "CustomEnvConfig"], s
 
 def partition_groups(num_env_groups: int, tags: list[str], partition: list[int] | None, section: str) -> list[int]:
     """Groups per tag: the given partition checked, or an even split of num_env_groups."""
-    from shared.config import ConfigError
+    from rollstream.shared.config import ConfigError
 
     if partition is None:
         share, remainder = divmod(num_env_groups, len(tags))

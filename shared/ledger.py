@@ -4,7 +4,7 @@ Admission and finishing are Lua scripts, so each is atomic however many producer
 Every admitted group is in `<ns>:inflight` until it ends as exactly one of trained, stale_dropped,
 timeout_dropped or failed_dropped (the ZREM decides who got there first), which makes the counters
 reconcile: admitted = trained + stale_dropped + timeout_dropped + failed_dropped + in flight.
-The arithmetic is `shared.versioning.admission_cap`, repeated in ADMIT_LUA.
+The arithmetic is `rollstream.shared.versioning.admission_cap`, repeated in ADMIT_LUA.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Iterable, Sequence
 import redis
 import redis.asyncio
 
-from shared.keys import TRAINER_GROUP, Keys
+from rollstream.shared.keys import TRAINER_GROUP, Keys
 
 OUTCOMES = ("trained", "stale_dropped", "timeout_dropped", "failed_dropped")
 """How an admitted group ends. All but trained return the group's slot, so another episode may start."""

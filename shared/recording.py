@@ -12,7 +12,7 @@ from typing import IO, Iterator, Mapping
 
 import msgpack
 
-from shared.codec import CodecError
+from rollstream.shared.codec import CodecError
 
 FORMAT = "rollstream-trajectories"
 FORMAT_VERSION = 1

@@ -10,7 +10,7 @@ import redis.asyncio
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
-from shared.config import RedisConfig
+from rollstream.shared.config import RedisConfig
 
 URL_ENV = "ROLLSTREAM_REDIS_URL"
 

@@ -6,10 +6,10 @@ import os
 
 import redis
 
-from shared.codec import decode_entry
-from shared.keys import Keys
-from shared.ledger import Ledger
-from shared.recording import Recorder, read_records
+from rollstream.shared.codec import decode_entry
+from rollstream.shared.keys import Keys
+from rollstream.shared.ledger import Ledger
+from rollstream.shared.recording import Recorder, read_records
 
 
 def record_backlog(client: redis.Redis, keys: Keys, path: str | os.PathLike[str], limit: int | None = None) -> int:

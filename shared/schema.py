@@ -1,6 +1,6 @@
 """What travels between producers and the trainer: trajectories, their turns and group notices.
 
-Pure data, no I/O. The wire format lives in `shared.codec`.
+Pure data, no I/O. The wire format lives in `rollstream.shared.codec`.
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import redis
 
-from shared.keys import TRAINER_GROUP, Keys
-from shared.ledger import OUTCOMES, read_counters, reconciles
+from rollstream.shared.keys import TRAINER_GROUP, Keys
+from rollstream.shared.ledger import OUTCOMES, read_counters, reconciles
 
 
 @dataclass

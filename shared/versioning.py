@@ -1,4 +1,4 @@
-"""The version cap's arithmetic, both halves. Pure: the Redis script in `shared.ledger` applies the same rule.
+"""The version cap's arithmetic, both halves. Pure: the Redis script in `rollstream.shared.ledger` applies the same rule.
 
 Policy version v = number of train steps done; step s consumes a batch and publishes version s + 1.
 G = rollout_batch_size / group_size groups per step, r = async_generation_ratio.

@@ -20,8 +20,8 @@ import msgpack
 import redis
 import redis.asyncio
 
-from shared.keys import Keys
-from shared.weights_io import weights_path_from_uri
+from rollstream.shared.keys import Keys
+from rollstream.shared.weights_io import weights_path_from_uri
 
 SCHEME = "redis-chunks:"
 _MANIFEST = "manifest"

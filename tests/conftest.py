@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import redis
 
-from shared.config import RollstreamConfig, load_config
-from shared.embedded import EmbeddedRedis
+from rollstream.shared.config import RollstreamConfig, load_config
+from rollstream.shared.embedded import EmbeddedRedis
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from shared.schema import Trajectory, Turn, make_group_id, make_traj_id
+from rollstream.shared.schema import Trajectory, Turn, make_group_id, make_traj_id
 
 
 def make_traj(group_index: int = 0, episode: int = 0, member: int = 0, *, version: int = 0, tag: str = "FrozenLake",

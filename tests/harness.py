@@ -5,14 +5,14 @@ from __future__ import annotations
 import asyncio
 import io
 import threading
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
-from producer.policy.factory import make_policy
-from producer.worker import EnvWorker
-from shared.config import RollstreamConfig
-from shared.layout import plan_layout
-from shared.redis_io import connect_async
+from rollstream.producer.policy.factory import make_policy
+from rollstream.producer.worker import EnvWorker
+from rollstream.shared.config import RollstreamConfig
+from rollstream.shared.layout import plan_layout
+from rollstream.shared.redis_io import connect_async
 
 
 async def run_workers(cfg: RollstreamConfig, url: str, *, episodes_per_group: int | None = None,

@@ -1,4 +1,4 @@
-from consumer.assembler import Added, GroupAssembler
+from rollstream.consumer.data.assembler import Added, GroupAssembler
 from tests.factories import make_traj
 
 

@@ -11,11 +11,11 @@ import time
 import pytest
 import redis
 
-from consumer.batcher import Batch
-from consumer.train import run_trainer
-from shared.keys import Keys
-from shared.ledger import read_counters, reconciles
-from shared.versioning import admission_cap
+from rollstream.consumer.data.batcher import Batch
+from rollstream.consumer.train import run_trainer
+from rollstream.shared.keys import Keys
+from rollstream.shared.ledger import read_counters, reconciles
+from rollstream.shared.versioning import admission_cap
 from tests.conftest import scripted_config
 from tests.harness import workers_in_thread
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from consumer.batch_stats import rollout_stats
+from rollstream.consumer.data.batch_stats import rollout_stats
 from tests.factories import make_traj
 
 

@@ -4,11 +4,11 @@ from pathlib import Path
 
 import redis
 
-from consumer.batcher import Batcher
-from shared.codec import encode_drop, encode_trajectory
-from shared.keys import Keys
-from shared.ledger import Ledger, reconciles
-from shared.schema import GroupDropNotice
+from rollstream.consumer.data.batcher import Batcher
+from rollstream.shared.codec import encode_drop, encode_trajectory
+from rollstream.shared.keys import Keys
+from rollstream.shared.ledger import Ledger, reconciles
+from rollstream.shared.schema import GroupDropNotice
 from tests.conftest import scripted_config
 from tests.factories import make_traj
 

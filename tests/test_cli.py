@@ -4,9 +4,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from shared.embedded import free_port
-from shared.keys import Keys
-from shared.replay import replay_file
+from rollstream.shared.embedded import free_port
+from rollstream.shared.keys import Keys
+from rollstream.shared.replay import replay_file
 from tests.conftest import REPO
 
 CONFIG = str(REPO / "configs" / "frozen_lake_scripted.yaml")
@@ -17,7 +17,7 @@ def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
 
     full_env = dict(os.environ) | (env or {})
     full_env.pop("ROLLSTREAM_REDIS_URL", None) if env is None or "ROLLSTREAM_REDIS_URL" not in env else None
-    return subprocess.run([sys.executable, "-m", "shared.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "rollstream", *args], capture_output=True, text=True,
                           timeout=120, env=full_env)
 
 
@@ -69,7 +69,7 @@ def test_debug_env_shows_prompts_replies_actions_and_rewards() -> None:
 
 
 def test_debug_env_human_policy_reads_replies_from_stdin() -> None:
-    proc = subprocess.run([sys.executable, "-m", "shared.cli", "debug-env", CONFIG, "--tag", "FrozenLake",
+    proc = subprocess.run([sys.executable, "-m", "rollstream", "debug-env", CONFIG, "--tag", "FrozenLake",
                            "--policy", "human", "custom_envs.FrozenLake.max_actions_per_traj=2"],
                           input="<answer>right</answer>\nnonsense\n", capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr

@@ -4,8 +4,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shared.codec import CodecError, decode_entry, encode_drop, encode_trajectory
-from shared.schema import GroupDropNotice, Trajectory, parse_group_id
+from rollstream.shared.codec import CodecError, decode_entry, encode_drop, encode_trajectory
+from rollstream.shared.schema import GroupDropNotice, Trajectory, parse_group_id
 from tests.factories import make_traj
 
 

@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.config import ConfigError, load_config
+from rollstream.shared.config import ConfigError, load_config
 from tests.conftest import REPO
 
 CONFIG = REPO / "configs" / "frozen_lake_scripted.yaml"

@@ -12,17 +12,16 @@ from collections import Counter
 from pathlib import Path
 
 import psutil
-import pytest
 import redis
 
-from consumer.train import run_trainer
-from shared.codec import decode_entry
-from shared.config import dump_config
-from shared.keys import Keys
-from shared.layout import plan_layout
-from shared.ledger import read_counters, reconciles
-from shared.recording import read_records
-from shared.schema import parse_group_id
+from rollstream.consumer.train import run_trainer
+from rollstream.shared.codec import decode_entry
+from rollstream.shared.config import dump_config
+from rollstream.shared.keys import Keys
+from rollstream.shared.layout import plan_layout
+from rollstream.shared.ledger import read_counters, reconciles
+from rollstream.shared.recording import read_records
+from rollstream.shared.schema import parse_group_id
 from tests.conftest import REPO, scripted_config
 
 CONFIG = REPO / "configs" / "frozen_lake_scripted.yaml"
@@ -38,7 +37,7 @@ def test_run_trains_on_complete_groups_that_match_the_layout(tmp_path: Path) -> 
     record = tmp_path / "trained.msgpack"
     overrides = [f"output_dir={tmp_path / 'out'}", "max_steps=6", f"record_to={record}", "wandb_mode=offline",
                  "train_env_manager.max_env_num_per_worker=32"]  # 8 groups of 8 on 2 workers
-    proc = subprocess.run([sys.executable, "-m", "shared.cli", "run", str(CONFIG), *overrides], env=_env(),
+    proc = subprocess.run([sys.executable, "-m", "rollstream", "run", str(CONFIG), *overrides], env=_env(),
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "trainer done: version 6" in proc.stderr
@@ -87,7 +86,7 @@ def test_a_worker_killed_mid_episode_never_puts_a_partial_group_in_a_batch(tmp_p
         run_trainer(cfg, redis.Redis.from_url(redis_server.url), progress=False)))
     trainer.start()
     env = _env() | {"ROLLSTREAM_REDIS_URL": redis_server.url}
-    workers = [subprocess.Popen([sys.executable, "-m", "shared.cli", "producer", str(config_path),
+    workers = [subprocess.Popen([sys.executable, "-m", "rollstream", "producer", str(config_path),
                                  "--worker-rank", str(rank)], env=env, stderr=subprocess.DEVNULL)
                for rank in range(8)]
     try:
@@ -112,7 +111,8 @@ def _wait_for_partial_group(client: redis.Redis, keys: Keys, prefix: str, timeou
     """Until some episode of the group has between 1 and group_size - 1 members in the stream."""
     deadline = time.monotonic() + timeout_s
     while True:
-        members = Counter(f[b"group_id"] for _, f in client.xrange(keys.traj) if f[b"group_id"].startswith(prefix.encode()))
+        members = Counter(f[b"group_id"] for _, f in client.xrange(keys.traj)
+                          if f[b"group_id"].startswith(prefix.encode()))
         if any(0 < n < 8 for n in members.values()):
             return
         assert time.monotonic() < deadline, f"no partial {prefix}* group seen"
@@ -130,7 +130,7 @@ def test_trainer_killed_mid_run_resumes_and_trains_no_group_twice(tmp_path, redi
     dump_config(cfg, config_path)
     env = _env() | {"ROLLSTREAM_REDIS_URL": redis_server.url}
     keys = Keys.for_exp("tkill")
-    trainer_cmd = [sys.executable, "-m", "shared.cli", "trainer", str(config_path)]
+    trainer_cmd = [sys.executable, "-m", "rollstream", "trainer", str(config_path)]
     with workers_in_thread(cfg, redis_server.url):
         first = subprocess.Popen(trainer_cmd, env=env, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 60
@@ -155,7 +155,7 @@ def test_trainer_killed_mid_run_resumes_and_trains_no_group_twice(tmp_path, redi
 
 def test_sigterm_to_run_stops_every_process_it_started(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    run = subprocess.Popen([sys.executable, "-m", "shared.cli", "run", str(CONFIG), f"output_dir={out}",
+    run = subprocess.Popen([sys.executable, "-m", "rollstream", "run", str(CONFIG), f"output_dir={out}",
                             "max_steps=100000", "wandb_mode=disabled"], env=_env(), stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
     while not list(out.glob("logs/producer-*.log")) or not (out / "redis" / "server.log").exists():

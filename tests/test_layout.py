@@ -4,8 +4,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shared.config import CustomEnvConfig, EnvManagerConfig
-from shared.layout import plan_layout
+from rollstream.shared.config import CustomEnvConfig, EnvManagerConfig
+from rollstream.shared.layout import plan_layout
 
 ENVS = {"A": CustomEnvConfig(), "B": CustomEnvConfig(), "C": CustomEnvConfig()}
 

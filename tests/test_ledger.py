@@ -5,9 +5,9 @@ import asyncio
 import redis
 import redis.asyncio
 
-from shared.keys import Keys
-from shared.ledger import AsyncAdmissions, Ledger, reconciles
-from shared.versioning import admission_cap, is_stale
+from rollstream.shared.keys import Keys
+from rollstream.shared.ledger import AsyncAdmissions, Ledger, reconciles
+from rollstream.shared.versioning import admission_cap, is_stale
 
 KEYS = Keys.for_exp("t")
 

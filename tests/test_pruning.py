@@ -1,6 +1,6 @@
 from pathlib import Path
 
-from consumer.pruning import prune_versions
+from rollstream.consumer.pruning import prune_versions
 
 
 def _versions(root: Path) -> list[str]:

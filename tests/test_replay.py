@@ -4,12 +4,12 @@ from pathlib import Path
 
 import redis
 
-from consumer.batch_stats import rollout_stats
-from consumer.batcher import Batcher
-from shared.codec import decode_entry
-from shared.keys import Keys
-from shared.recording import read_records
-from shared.replay import record_backlog, replay_file
+from rollstream.consumer.data.batch_stats import rollout_stats
+from rollstream.consumer.data.batcher import Batcher
+from rollstream.shared.codec import decode_entry
+from rollstream.shared.keys import Keys
+from rollstream.shared.recording import read_records
+from rollstream.shared.replay import record_backlog, replay_file
 from tests.conftest import REPO, scripted_config
 
 DATA = REPO / "tests" / "data" / "frozen_lake_scripted.msgpack"  # 2 steps x 2 groups of 8, recorded by `run`
@@ -49,7 +49,7 @@ def test_record_copies_the_backlog_without_consuming_it(redis_client, tmp_path) 
 
 
 def test_a_recorder_reopened_after_a_torn_write_drops_the_half_record(tmp_path) -> None:
-    from shared.recording import Recorder
+    from rollstream.shared.recording import Recorder
 
     path = tmp_path / "r.msgpack"
     records = list(read_records(DATA))[:3]

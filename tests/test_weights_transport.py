@@ -9,12 +9,12 @@ import pytest
 import redis
 import redis.asyncio
 
-from consumer.pruning import prune_redis_versions
-from producer.policy.hf import HFPolicy
-from producer.worker import EnvWorker
-from shared.keys import Keys
-from shared.weights_io import compute_digest, weights_path_from_uri
-from shared.weights_transport import SCHEME, fetch_weights, share_weights
+from rollstream.consumer.pruning import prune_redis_versions
+from rollstream.producer.policy.hf import HFPolicy
+from rollstream.producer.worker import EnvWorker
+from rollstream.shared.keys import Keys
+from rollstream.shared.weights_io import compute_digest, weights_path_from_uri
+from rollstream.shared.weights_transport import SCHEME, fetch_weights, share_weights
 from tests.conftest import scripted_config
 from tests.policy.helpers import tiny_versions
 

@@ -11,16 +11,16 @@ import redis
 import redis.asyncio
 from PIL import Image
 
-from consumer.batcher import Batcher
-from producer.envs.frozen_lake import FrozenLakeEnv
-from producer.policy.scripted import ScriptedPolicy
-from producer.worker import EnvWorker
-from shared.codec import decode_entry
-from shared.config import RollstreamConfig
-from shared.keys import Keys
-from shared.ledger import reconciles
-from shared.layout import plan_layout
-from shared.schema import GroupDropNotice, Trajectory
+from rollstream.consumer.data.batcher import Batcher
+from rollstream.producer.policy.scripted import ScriptedPolicy
+from rollstream.producer.worker import EnvWorker
+from rollstream.shared.codec import decode_entry
+from rollstream.shared.config import RollstreamConfig
+from rollstream.shared.envs.frozen_lake import FrozenLakeEnv
+from rollstream.shared.keys import Keys
+from rollstream.shared.layout import plan_layout
+from rollstream.shared.ledger import reconciles
+from rollstream.shared.schema import GroupDropNotice, Trajectory
 from tests.conftest import scripted_config
 
 
@@ -61,7 +61,8 @@ def _unlimited(tmp_path: Path, exp: str, *extra: str) -> RollstreamConfig:
 
 
 def test_an_env_that_raises_drops_its_group_and_the_worker_goes_on(tmp_path, redis_server, redis_client) -> None:
-    cfg = _unlimited(tmp_path, "boom", "train_env_manager.tags=[FrozenLake]", "train_env_manager.num_groups_partition=null",
+    cfg = _unlimited(tmp_path, "boom", "train_env_manager.tags=[FrozenLake]",
+                     "train_env_manager.num_groups_partition=null",
                      "train_env_manager.num_env_groups=2", "train_env_manager.max_env_num_per_worker=16",
                      f"custom_envs.FrozenLake.env_type={__name__}:ExplodingLake")
     [worker] = _run_workers(cfg, redis_server.url, episodes_per_group=6)
@@ -119,8 +120,8 @@ def test_a_member_behind_gets_an_admitted_episode_while_another_waits_for_a_slot
     behind it for an episode that was already admitted, so no group completed and no slot was ever freed."""
     from types import SimpleNamespace
 
-    from producer.worker import GroupRunner
-    from shared.layout import GroupSpec
+    from rollstream.producer.worker import GroupRunner
+    from rollstream.shared.layout import GroupSpec
 
     async def scenario() -> None:
         never = asyncio.Event()

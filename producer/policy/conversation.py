@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from producer.policy.base import GenerateRequest, Generation
+from rollstream.producer.policy.base import GenerateRequest, Generation
 
 _PROBE_USER = "probe-user"
 _PROBE_REPLY = "probe-reply"

@@ -5,11 +5,11 @@ from __future__ import annotations
 import inspect
 from typing import TYPE_CHECKING, Any
 
-from producer.policy.base import Policy
-from shared.config import ConfigError, RollstreamConfig
+from rollstream.producer.policy.base import Policy
+from rollstream.shared.config import ConfigError, RollstreamConfig
 
 if TYPE_CHECKING:
-    from producer.policy.conversation import ChatTemplateDeltas
+    from rollstream.producer.policy.conversation import ChatTemplateDeltas
 
 
 def make_policy(cfg: RollstreamConfig) -> Policy:
@@ -17,17 +17,17 @@ def make_policy(cfg: RollstreamConfig) -> Policy:
     strategy = cfg.actor_infer.strategy_args
     options = dict(strategy.strategy_config)
     if strategy.strategy_name == "scripted":
-        from producer.policy.scripted import ScriptedPolicy
+        from rollstream.producer.policy.scripted import ScriptedPolicy
 
         return ScriptedPolicy(**_checked(ScriptedPolicy, options))
     if not cfg.pretrain:
         raise ConfigError(f"actor_infer.strategy_args.strategy_name={strategy.strategy_name!r} needs pretrain: "
                           "a Hugging Face model directory (or tiny_model.build to make one)")
     if strategy.strategy_name == "hf_infer":
-        from producer.policy.hf import HFPolicy
+        from rollstream.producer.policy.hf import HFPolicy
 
         return HFPolicy(cfg.pretrain, seed=cfg.seed, **_checked(HFPolicy, options))
-    from producer.policy.vllm import VLLMPolicy
+    from rollstream.producer.policy.vllm import VLLMPolicy
 
     # The engine computes in the trainer's dtype: "auto" picked bf16 on CPU, and then the behaviour logprobs
     # the PPO ratio is anchored on came from other numerics than the trainer's fp32.
@@ -54,6 +54,6 @@ def chat_template_of(policy: Policy) -> "ChatTemplateDeltas | None":
     tokenizer = getattr(policy, "tokenizer", None)
     if tokenizer is None:
         return None
-    from producer.policy.conversation import ChatTemplateDeltas
+    from rollstream.producer.policy.conversation import ChatTemplateDeltas
 
     return ChatTemplateDeltas(tokenizer)

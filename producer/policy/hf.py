@@ -19,9 +19,9 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from producer.policy.base import GenerateRequest, Generation, SamplingParams
-from producer.policy.conversation import request_prompt_ids
-from shared.weights_io import load_safetensors_dir, verify_digest, weights_path_from_uri
+from rollstream.producer.policy.base import GenerateRequest, Generation, SamplingParams
+from rollstream.producer.policy.conversation import request_prompt_ids
+from rollstream.shared.weights_io import load_safetensors_dir, verify_digest, weights_path_from_uri
 
 
 @dataclass

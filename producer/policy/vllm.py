@@ -20,9 +20,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from producer.policy.base import GenerateRequest, Generation
-from producer.policy.conversation import request_prompt_ids
-from shared.weights_io import verify_digest, weights_path_from_uri
+from rollstream.producer.policy.base import GenerateRequest, Generation
+from rollstream.producer.policy.conversation import request_prompt_ids
+from rollstream.shared.weights_io import verify_digest, weights_path_from_uri
 
 # vLLM's own modules are imported lazily, inside VLLMPolicy: importing vllm costs seconds and registers its
 # platform plugins, and the worker extension below must stay importable in the engine process on its own.

@@ -1,1 +1,1 @@
-"""Tests of producer.envs: text parsing, the games, the registry and rendering."""
+"""Tests of rollstream.shared.envs: text parsing, the games, the registry and rendering."""

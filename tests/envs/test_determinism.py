@@ -8,13 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-from producer.envs.registry import default_custom_envs, make_env
+from rollstream.shared.envs.registry import default_custom_envs, make_env
 
 ROOT = Path(__file__).resolve().parents[2]
 SEEDS = range(0, 1000, 97)
 _SCRIPT = """
 import json, sys
-from producer.envs.registry import default_custom_envs, make_env
+from rollstream.shared.envs.registry import default_custom_envs, make_env
 envs = default_custom_envs()
 print(json.dumps({tag: [make_env(tag, envs).reset(seed=s)[0] for s in json.loads(sys.argv[1])] for tag in envs}))
 """

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from gymnasium.utils.env_checker import check_env
 
-from producer.envs.frozen_lake import ACTIONS, FrozenLakeEnv, optimal_actions
-from producer.envs.text import format_reply
+from rollstream.shared.envs.frozen_lake import ACTIONS, FrozenLakeEnv, optimal_actions
+from rollstream.shared.envs.text import format_reply
 
 
 def _play(env: FrozenLakeEnv, actions: list[str]) -> list[tuple[str, float, bool, bool, dict]]:

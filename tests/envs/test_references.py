@@ -1,6 +1,6 @@
-from producer.envs.frozen_lake import FrozenLakeEnv
-from producer.envs.references import reference_success
-from producer.envs.sokoban import SokobanEnv
+from rollstream.shared.envs.frozen_lake import FrozenLakeEnv
+from rollstream.shared.envs.references import reference_success
+from rollstream.shared.envs.sokoban import SokobanEnv
 
 
 def test_frozen_lake_references_order_as_measured() -> None:

@@ -5,12 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from producer.envs.base import TextEnv
-from producer.envs.frozen_lake import FrozenLakeEnv
-from producer.envs.registry import PRESETS, default_custom_envs, known_env_types, make_env
-from producer.envs.sokoban import SokobanEnv
-from producer.envs.text import format_reply
-from shared.config import CustomEnvConfig
+from rollstream.shared.config import CustomEnvConfig
+from rollstream.shared.envs.base import TextEnv
+from rollstream.shared.envs.frozen_lake import FrozenLakeEnv
+from rollstream.shared.envs.registry import PRESETS, default_custom_envs, known_env_types, make_env
+from rollstream.shared.envs.sokoban import SokobanEnv
+from rollstream.shared.envs.text import format_reply
 
 
 class CoinGuessEnv(TextEnv):
@@ -91,7 +91,7 @@ def test_unknown_env_type_lists_types_and_the_import_path_form() -> None:
     [
         ("no_such_module_xyz:Env", "cannot import module 'no_such_module_xyz'"),
         ("tests.envs.test_registry:Missing", "has no attribute 'Missing'"),
-        ("collections:OrderedDict", "not a subclass of producer.envs.base.TextEnv"),
+        ("collections:OrderedDict", "not a subclass of rollstream.shared.envs.base.TextEnv"),
         ("tests.envs.test_registry:NoTurnLimitEnv", "must accept max_actions_per_traj"),
     ],
 )

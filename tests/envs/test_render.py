@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from producer.envs.registry import default_custom_envs, make_env
-from producer.envs.render import CELL_PX, CellStyle, draw_grid, save_frame
-from producer.envs.text import format_reply
+from rollstream.shared.envs.registry import default_custom_envs, make_env
+from rollstream.shared.envs.render import CELL_PX, CellStyle, draw_grid, save_frame
+from rollstream.shared.envs.text import format_reply
 
 TAGS = sorted(default_custom_envs())
 

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from gymnasium.utils.env_checker import check_env
 
-from producer.envs.registry import PRESETS, XSB_VOCAB
-from producer.envs.sokoban import DEFAULT_VOCAB, Room, SokobanEnv, generate_room, move, play, solve
-from producer.envs.text import format_reply
+from rollstream.shared.envs.registry import PRESETS, XSB_VOCAB
+from rollstream.shared.envs.sokoban import DEFAULT_VOCAB, Room, SokobanEnv, generate_room, move, play, solve
+from rollstream.shared.envs.text import format_reply
 
 SIMPLE = PRESETS["SimpleSokoban"][1]
 LARGER = PRESETS["LargerSokoban"][1]

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from producer.envs.text import format_reply, parse_action, reply_instructions, turn_prompt
+from rollstream.shared.envs.text import format_reply, parse_action, reply_instructions, turn_prompt
 
 NAMES = ("Left", "Down", "Right", "Up")
 TAGS = ("<think>", "</think>", "<answer>", "</answer>")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from producer.policy.tiny_model import build_tiny_model
+from rollstream.tiny_model import build_tiny_model
 
 
 @pytest.fixture(scope="session")

@@ -9,10 +9,10 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from consumer.assembler import Group
-from consumer.batcher import Batch
-from shared.config import RollstreamConfig, load_config
-from shared.schema import Trajectory, Turn, make_group_id, make_traj_id
+from rollstream.consumer.data.assembler import Group
+from rollstream.consumer.data.batcher import Batch
+from rollstream.shared.config import RollstreamConfig, load_config
+from rollstream.shared.schema import Trajectory, Turn, make_group_id, make_traj_id
 
 Reward = Callable[[list[int]], float]
 """Reward of one reply from its token ids."""

@@ -1,4 +1,6 @@
-"""Run `consumer.distributed` for real: N spawned processes on CPU, gloo, DeepSpeed; rank 0 drives the leader.
+"""Run `rollstream.consumer.learn.distributed` for real: N spawned processes on CPU, gloo, DeepSpeed.
+
+Rank 0 drives the leader.
 
 Spawned processes import this module, not the test module, so it stays free of pytest.
 """
@@ -15,7 +17,7 @@ import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
-from shared.schema import Trajectory
+from rollstream.shared.schema import Trajectory
 
 from .helpers import learner_config, make_batch
 
@@ -68,12 +70,12 @@ def run_ranks(world_size: int, tmp_path: Path, model: Path, groups: list[list[Tr
 
 def _rank_main(rank: int, world_size: int, port: int, tmp_path: Path, model: Path, runs: list[Run]) -> None:
     # What torchrun would set; the parent may carry a one-process DeepSpeed group's values.
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
         import torch
 
-        from consumer.distributed import Follower, end_rank, start_rank
+        from rollstream.consumer.learn.distributed import Follower, end_rank, start_rank
 
         torch.set_num_threads(1)  # N ranks on a small CI machine
         groups = pickle.loads((tmp_path / "groups.pkl").read_bytes())

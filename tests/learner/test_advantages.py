@@ -5,9 +5,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from consumer.advantages import (AdvantageSettings, compute_advantages, discounted_returns, finalize, normalize,
-                                 step_advantages)
-from shared.schema import Trajectory, Turn
+from rollstream.consumer.learn.advantages import (
+    AdvantageSettings,
+    compute_advantages,
+    discounted_returns,
+    finalize,
+    normalize,
+    step_advantages,
+)
+from rollstream.shared.schema import Trajectory, Turn
 
 
 def traj(score: float = 0.0, steps: list[tuple[str, float]] | None = None) -> Trajectory:

@@ -7,13 +7,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from consumer.learner import make_learner
-from consumer.policy_learner import PolicyLearner
-from shared.schema import Trajectory
-from shared.weights_io import load_safetensors_dir, weights_path_from_uri
+from rollstream.consumer.learn.learner import make_learner
+from rollstream.consumer.learn.policy_learner import PolicyLearner
+from rollstream.shared.schema import Trajectory
+from rollstream.shared.weights_io import load_safetensors_dir, weights_path_from_uri
 
-from .helpers import (TinySampler, draw_until_mixed, even_first_token, learner_config, make_batch,
-                      sample_single_turn_groups)
+from .helpers import (
+    TinySampler,
+    draw_until_mixed,
+    even_first_token,
+    learner_config,
+    make_batch,
+    sample_single_turn_groups,
+)
 
 pytestmark = [
     # DeepSpeed's engine imports its Muon optimizer module, which applies torch.compile at import time; that

@@ -9,15 +9,22 @@ from pathlib import Path
 import pytest
 import torch
 
-from consumer.learner import make_learner
-from consumer.policy_learner import UpdateSettings, plan_update
-from consumer.tensors import build_token_batch
-from shared.config import RollstreamConfig
-from shared.schema import Trajectory
-from shared.weights_io import load_safetensors_dir
+from rollstream.consumer.learn.learner import make_learner
+from rollstream.consumer.learn.policy_learner import UpdateSettings, plan_update
+from rollstream.consumer.learn.tensors import build_token_batch
+from rollstream.shared.config import RollstreamConfig
+from rollstream.shared.schema import Trajectory
+from rollstream.shared.weights_io import load_safetensors_dir
 
-from .helpers import (TinySampler, draw_until_mixed, even_first_token, learner_config, make_batch,
-                      sample_single_turn_groups, sample_two_turn_group)
+from .helpers import (
+    TinySampler,
+    draw_until_mixed,
+    even_first_token,
+    learner_config,
+    make_batch,
+    sample_single_turn_groups,
+    sample_two_turn_group,
+)
 from .ranks import RESUME, SAVE, STEP, run_ranks
 
 pytestmark = [

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.config import ConfigError, load_config
+from rollstream.shared.config import ConfigError, load_config
 
 
 def test_defaults_load_without_a_model() -> None:

@@ -7,8 +7,17 @@ import math
 import pytest
 import torch
 
-from consumer.loss import (approx_kl, kl_k3, ppo_policy_loss, response_positions, response_targets,
-                           scatter_response, token_entropy, token_logprobs, truncated_importance_weights)
+from rollstream.consumer.learn.loss import (
+    approx_kl,
+    kl_k3,
+    ppo_policy_loss,
+    response_positions,
+    response_targets,
+    scatter_response,
+    token_entropy,
+    token_logprobs,
+    truncated_importance_weights,
+)
 
 
 def loss_and_grad(ratio: float, advantage: float, *, clip_eps: float = 0.2, ratio_cap: float = 3.0):

@@ -10,17 +10,24 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from consumer.advantages import AdvantageSettings, compute_advantages
-from consumer.learner import make_learner
-from consumer.policy_learner import PolicyLearner
-from consumer.strategy import make_strategy
-from consumer.tensors import build_token_batch
-from shared.config import ConfigError
-from shared.schema import Trajectory
-from shared.weights_io import verify_digest, weights_path_from_uri
+from rollstream.consumer.learn.advantages import AdvantageSettings, compute_advantages
+from rollstream.consumer.learn.learner import make_learner
+from rollstream.consumer.learn.policy_learner import PolicyLearner
+from rollstream.consumer.learn.strategy import make_strategy
+from rollstream.consumer.learn.tensors import build_token_batch
+from rollstream.shared.config import ConfigError
+from rollstream.shared.schema import Trajectory
+from rollstream.shared.weights_io import verify_digest, weights_path_from_uri
 
-from .helpers import (TinySampler, draw_until_mixed, even_first_token, learner_config, make_batch,
-                      sample_single_turn_groups, sample_two_turn_group)
+from .helpers import (
+    TinySampler,
+    draw_until_mixed,
+    even_first_token,
+    learner_config,
+    make_batch,
+    sample_single_turn_groups,
+    sample_two_turn_group,
+)
 
 METRICS = ("loss/pg", "loss/kl", "loss/entropy", "actor/clip_frac", "actor/approx_kl", "actor/grad_norm",
            "actor/lr", "adv/mean", "adv/std", "adv/min", "adv/max", "actor/ratio_mean", "actor/tokens_per_s",

@@ -8,14 +8,13 @@ import pytest
 import redis
 import torch
 
-from consumer.checkpoints import checkpoint_dir
-from consumer.learner import make_learner
-from consumer.train import resume
-from shared.config import ConfigError
-from shared.keys import Keys
-from shared.ledger import Ledger
-from tests.learner.helpers import (TinySampler, even_first_token, learner_config, make_batch,
-                                   sample_single_turn_groups)
+from rollstream.consumer.learn.checkpoints import checkpoint_dir
+from rollstream.consumer.learn.learner import make_learner
+from rollstream.consumer.train import resume
+from rollstream.shared.config import ConfigError
+from rollstream.shared.keys import Keys
+from rollstream.shared.ledger import Ledger
+from tests.learner.helpers import TinySampler, even_first_token, learner_config, make_batch, sample_single_turn_groups
 
 
 def _params(learner) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]

@@ -5,8 +5,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from consumer.tensors import (TokenBatch, build_token_batch, microbatch_indices, minibatch_indices, plan_shards,
-                              token_advantages)
+from rollstream.consumer.learn.tensors import (
+    TokenBatch,
+    build_token_batch,
+    microbatch_indices,
+    minibatch_indices,
+    plan_shards,
+    token_advantages,
+)
 
 from .helpers import make_trajectory
 

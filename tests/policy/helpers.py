@@ -9,8 +9,8 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
-from producer.policy.tiny_model import build_tiny_model
-from shared.weights_io import save_pretrained_atomically
+from rollstream.shared.weights_io import save_pretrained_atomically
+from rollstream.tiny_model import build_tiny_model
 
 
 @dataclass(frozen=True)

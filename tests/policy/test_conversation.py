@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from producer.policy.base import Generation
-from producer.policy.conversation import ChatTemplateDeltas, Conversation
+from rollstream.producer.policy.base import Generation
+from rollstream.producer.policy.conversation import ChatTemplateDeltas, Conversation
 
 from .helpers import TinyVersions
 

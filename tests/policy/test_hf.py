@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from producer.policy.base import GenerateRequest, Generation, SamplingParams
-from producer.policy.hf import HFPolicy
-from shared.weights_io import WeightsDigestError
+from rollstream.producer.policy.base import GenerateRequest, Generation, SamplingParams
+from rollstream.producer.policy.hf import HFPolicy
+from rollstream.shared.weights_io import WeightsDigestError
 
 from .helpers import TinyVersions, reference_logprobs
 

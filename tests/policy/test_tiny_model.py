@@ -11,7 +11,7 @@ import pytest
 from tokenizers import Tokenizer
 from transformers import AutoConfig, AutoTokenizer
 
-from producer.policy.tiny_model import REPLY_TAGS, describe, format_valid_rate, main_tiny_model, sft_format_warm_start
+from rollstream.tiny_model import REPLY_TAGS, describe, format_valid_rate, main_tiny_model, sft_format_warm_start
 
 from .helpers import TinyVersions
 

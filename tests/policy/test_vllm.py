@@ -16,11 +16,11 @@ from typing import Any, TypeVar
 import numpy as np
 import pytest
 
-from producer.policy.base import GenerateRequest, Generation, SamplingParams
-from producer.policy.conversation import ChatTemplateDeltas, Conversation
-from producer.policy.hf import HFPolicy
-from producer.policy.vllm import VLLMPolicy
-from shared.weights_io import WeightsDigestError, compute_digest
+from rollstream.producer.policy.base import GenerateRequest, Generation, SamplingParams
+from rollstream.producer.policy.conversation import ChatTemplateDeltas, Conversation
+from rollstream.producer.policy.hf import HFPolicy
+from rollstream.producer.policy.vllm import VLLMPolicy
+from rollstream.shared.weights_io import WeightsDigestError, compute_digest
 
 from .helpers import TinyVersions, reference_logprobs
 

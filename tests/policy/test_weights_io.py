@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.weights_io import (
+from rollstream.shared.weights_io import (
     WeightsDigestError,
     compute_digest,
     load_safetensors_dir,

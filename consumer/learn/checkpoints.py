@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from shared.config import ConfigError, RollstreamConfig
+from rollstream.shared.config import ConfigError, RollstreamConfig
 
 _NAME = re.compile(r"step_(\d+)")
 

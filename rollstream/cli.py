@@ -7,11 +7,11 @@ import logging
 import signal
 import sys
 import threading
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
-from shared.codec import CodecError
-from shared.config import ConfigError, RollstreamConfig, load_config, to_yaml
-from shared.redis_io import RedisUnavailable, connect, resolve_url
+from rollstream.shared.codec import CodecError
+from rollstream.shared.config import ConfigError, RollstreamConfig, load_config, to_yaml
+from rollstream.shared.redis_io import RedisUnavailable, connect, resolve_url
 
 log = logging.getLogger("rollstream")
 
@@ -102,7 +102,7 @@ def _load(args: argparse.Namespace) -> RollstreamConfig:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from shared.launch import run_local
+    from rollstream.launch import run_local
 
     return run_local(_load(args), fresh=args.fresh)
 
@@ -116,7 +116,7 @@ def _require_url(cfg: RollstreamConfig) -> str:
 
 
 def _producer(args: argparse.Namespace) -> int:
-    from producer.main import run_producer
+    from rollstream.producer.main import run_producer
 
     cfg = _load(args)
     run_producer(cfg, args.worker_rank, _require_url(cfg), episodes_per_group=args.episodes_per_group)
@@ -124,9 +124,9 @@ def _producer(args: argparse.Namespace) -> int:
 
 
 def _trainer(args: argparse.Namespace) -> int:
-    from consumer.distributed import Follower, end_rank, start_rank
-    from consumer.strategy import launched_world_size
-    from consumer.train import run_trainer
+    from rollstream.consumer.learn.distributed import Follower, end_rank, start_rank
+    from rollstream.consumer.learn.strategy import launched_world_size
+    from rollstream.consumer.train import run_trainer
 
     cfg = _load(args)
     stop = threading.Event()
@@ -154,7 +154,7 @@ def _trainer(args: argparse.Namespace) -> int:
 
 
 def _debug_env(args: argparse.Namespace) -> int:
-    from producer.debug import debug_env
+    from rollstream.producer.debug import debug_env
 
     cfg = _load(args)
     if args.tag not in cfg.custom_envs:
@@ -164,14 +164,14 @@ def _debug_env(args: argparse.Namespace) -> int:
 
 
 def _tiny_model(args: argparse.Namespace) -> int:
-    from producer.policy.tiny_model import main_tiny_model
+    from rollstream.tiny_model import main_tiny_model
 
     main_tiny_model(args.out, tie_word_embeddings=args.tied, sft_steps=args.sft_steps, sft_seconds=args.sft_seconds)
     return 0
 
 
 def _config_show(args: argparse.Namespace) -> int:
-    from shared.layout import describe_layout, plan_layout
+    from rollstream.shared.layout import describe_layout, plan_layout
 
     cfg = _load(args)
     print(to_yaml(cfg))
@@ -194,8 +194,8 @@ def _target(args: argparse.Namespace) -> tuple[RollstreamConfig, str]:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from shared.keys import Keys
-    from shared.status import format_status, read_status
+    from rollstream.shared.keys import Keys
+    from rollstream.shared.status import format_status, read_status
 
     cfg, url = _target(args)
     keys = Keys.for_exp(cfg.exp_name)
@@ -204,8 +204,8 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _record(args: argparse.Namespace) -> int:
-    from shared.keys import Keys
-    from shared.replay import record_backlog
+    from rollstream.shared.keys import Keys
+    from rollstream.shared.replay import record_backlog
 
     cfg, url = _target(args)
     n = record_backlog(connect(url, cfg.redis), Keys.for_exp(cfg.exp_name), args.out, args.limit)
@@ -214,8 +214,8 @@ def _record(args: argparse.Namespace) -> int:
 
 
 def _replay(args: argparse.Namespace) -> int:
-    from shared.keys import Keys
-    from shared.replay import replay_file
+    from rollstream.shared.keys import Keys
+    from rollstream.shared.replay import replay_file
 
     cfg, url = _target(args)
     n = replay_file(connect(url, cfg.redis), Keys.for_exp(cfg.exp_name), args.file)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from shared.schema import Trajectory
+from rollstream.shared.schema import Trajectory
 
 ESTIMATORS = ("grpo", "reinforce", "gigpo")
 STD_NORMALIZE_MODES = ("group", "none")

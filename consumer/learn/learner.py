@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Protocol
 
-from consumer.batcher import Batch
-from shared.config import RollstreamConfig
+from rollstream.consumer.data.batcher import Batch
+from rollstream.shared.config import RollstreamConfig
 
 
 class Learner(Protocol):
@@ -56,8 +56,8 @@ def make_learner(cfg: RollstreamConfig) -> Learner:
     if name == "stats_only":
         return StatsOnlyLearner()
     if name in ("torch_train", "deepspeed_train"):
-        from consumer.policy_learner import PolicyLearner
-        from consumer.strategy import make_strategy
+        from rollstream.consumer.learn.policy_learner import PolicyLearner
+        from rollstream.consumer.learn.strategy import make_strategy
 
         return PolicyLearner(cfg, make_strategy(cfg))
     raise ValueError(f"actor_train.strategy_args.strategy_name={name!r} has no learner yet")

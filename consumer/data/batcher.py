@@ -15,13 +15,13 @@ from dataclasses import dataclass, field
 
 import redis
 
-from consumer.assembler import Added, Group, GroupAssembler
-from consumer.reader import Entry, StreamReader
-from shared.config import RollstreamConfig
-from shared.keys import Keys
-from shared.ledger import Ledger
-from shared.schema import GroupDropNotice, Trajectory
-from shared.versioning import is_stale
+from rollstream.consumer.data.assembler import Added, Group, GroupAssembler
+from rollstream.consumer.data.reader import Entry, StreamReader
+from rollstream.shared.config import RollstreamConfig
+from rollstream.shared.keys import Keys
+from rollstream.shared.ledger import Ledger
+from rollstream.shared.schema import GroupDropNotice, Trajectory
+from rollstream.shared.versioning import is_stale
 
 log = logging.getLogger(__name__)
 

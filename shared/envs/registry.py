@@ -2,7 +2,7 @@
 
 A tag (FrozenLake, SimpleSokoban, ...) names an entry of `custom_envs`: an `env_type` plus the `env_config`
 keyword arguments of that type's constructor. `env_type` is a registered name (`known_env_types()`) or an
-import path `package.module:ClassName` to a subclass of `producer.envs.base.TextEnv`; a plain gymnasium env
+import path `package.module:ClassName` to a subclass of `rollstream.shared.envs.base.TextEnv`; a plain gymnasium env
 is not enough, since the episode loop needs `system_prompt()`, `action_names` and a text `step(reply)`.
 The constructor is called as `Class(**env_config, max_actions_per_traj=...)`.
 """
@@ -16,10 +16,10 @@ from collections.abc import Mapping
 from functools import reduce
 from typing import Any
 
-from producer.envs.base import TextEnv, check_positive_int
-from producer.envs.frozen_lake import FrozenLakeEnv
-from producer.envs.sokoban import SokobanEnv
-from shared.config import CustomEnvConfig
+from rollstream.shared.envs.base import TextEnv, check_positive_int
+from rollstream.shared.envs.frozen_lake import FrozenLakeEnv
+from rollstream.shared.envs.sokoban import SokobanEnv
+from rollstream.shared.config import CustomEnvConfig
 
 ENV_TYPES: dict[str, type[TextEnv]] = {"frozen_lake": FrozenLakeEnv, "sokoban": SokobanEnv}
 
@@ -77,7 +77,7 @@ def resolve_env_type(env_type: str) -> type[TextEnv]:
     except AttributeError as e:
         raise ValueError(f"env_type {env_type!r}: module {module_name!r} has no attribute {attr!r}") from e
     if not (isinstance(cls, type) and issubclass(cls, TextEnv)):
-        raise ValueError(f"env_type {env_type!r} is {cls!r}, not a subclass of producer.envs.base.TextEnv")
+        raise ValueError(f"env_type {env_type!r} is {cls!r}, not a subclass of rollstream.shared.envs.base.TextEnv")
     return cls
 
 

@@ -22,10 +22,10 @@ from typing import Any
 
 import torch
 
-from consumer.policy_learner import STRATEGY_DIR, PolicyLearner, plan_update, run_shard
-from consumer.strategy import launched_world_size, make_strategy
-from consumer.tensors import TokenBatch
-from shared.config import ConfigError, RollstreamConfig
+from rollstream.consumer.learn.policy_learner import STRATEGY_DIR, PolicyLearner, plan_update, run_shard
+from rollstream.consumer.learn.strategy import launched_world_size, make_strategy
+from rollstream.consumer.learn.tensors import TokenBatch
+from rollstream.shared.config import ConfigError, RollstreamConfig
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +141,7 @@ def start_rank(cfg: RollstreamConfig) -> LeaderLearner | Follower:
     if name != "deepspeed_train":
         raise ConfigError(f"WORLD_SIZE={launched_world_size()} (a multi-rank launch) needs "
                           f"actor_train.strategy_args.strategy_name=deepspeed_train, not {name!r}")
-    from consumer.strategy.deepspeed_strategy import init_distributed
+    from rollstream.consumer.learn.strategy.deepspeed_strategy import init_distributed
 
     init_distributed()
     control = Control()  # every rank creates it at the same point, before the engine's own groups

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import redis
 
-from shared.codec import CodecError, decode_entry
-from shared.keys import TRAINER_GROUP, Keys
-from shared.schema import GroupDropNotice, Trajectory
+from rollstream.shared.codec import CodecError, decode_entry
+from rollstream.shared.keys import TRAINER_GROUP, Keys
+from rollstream.shared.schema import GroupDropNotice, Trajectory
 
 log = logging.getLogger(__name__)
 

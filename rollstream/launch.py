@@ -19,11 +19,11 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import IO
 
-from shared.config import RollstreamConfig, dump_config
-from shared.embedded import EmbeddedRedis, die_with_parent
-from shared.keys import Keys
-from shared.layout import plan_layout
-from shared.redis_io import URL_ENV, connect, redact, resolve_url
+from rollstream.shared.config import RollstreamConfig, dump_config
+from rollstream.shared.embedded import EmbeddedRedis, die_with_parent
+from rollstream.shared.keys import Keys
+from rollstream.shared.layout import plan_layout
+from rollstream.shared.redis_io import URL_ENV, connect, redact, resolve_url
 
 log = logging.getLogger(__name__)
 
@@ -46,9 +46,10 @@ def run_local(cfg: RollstreamConfig, *, fresh: bool = False) -> int:
             log.info("embedded Redis at %s (data in %s)", url, data)
         _prepare_namespace(cfg, url, fresh)
         env = os.environ | {URL_ENV: url}
+        log_mode = "ab" if cfg.resume_from_checkpoint else "wb"
         producers = [
             _spawn(["producer", str(config_path), "--worker-rank", str(rank)], env,
-                   stack.enter_context(open(logs / f"producer-{rank}.log", "ab" if cfg.resume_from_checkpoint else "wb")))
+                   stack.enter_context(open(logs / f"producer-{rank}.log", log_mode)))
             for rank in range(layout.num_workers)
         ]
         log.info("started %d env-workers (logs in %s)", len(producers), logs)
@@ -64,7 +65,7 @@ def ensure_pretrained(cfg: RollstreamConfig) -> None:
     """Build the offline tiny model at `pretrain` first, when the config asks for it and it is not there yet."""
     if not cfg.tiny_model.build or (Path(cfg.pretrain or "") / "config.json").exists():
         return
-    from producer.policy.tiny_model import main_tiny_model
+    from rollstream.tiny_model import main_tiny_model
 
     t = cfg.tiny_model
     log.info("building the tiny model in %s (format warm start: up to %.0f s)", cfg.pretrain, t.sft_seconds)
@@ -87,7 +88,7 @@ def _prepare_namespace(cfg: RollstreamConfig, url: str, fresh: bool) -> None:
 
 
 def _spawn(args: list[str], env: dict[str, str], output: IO[bytes] | None) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([sys.executable, "-m", "shared.cli", *args], env=env, stdout=output,
+    return subprocess.Popen([sys.executable, "-m", "rollstream", *args], env=env, stdout=output,
                             stderr=subprocess.STDOUT if output else None, preexec_fn=die_with_parent)
 
 

@@ -10,10 +10,10 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from producer.envs.base import TextEnv
-from producer.envs.frozen_lake import FrozenLakeEnv, optimal_actions
-from producer.envs.sokoban import SokobanEnv, solve
-from producer.envs.text import format_reply
+from rollstream.shared.envs.base import TextEnv
+from rollstream.shared.envs.frozen_lake import FrozenLakeEnv, optimal_actions
+from rollstream.shared.envs.sokoban import SokobanEnv, solve
+from rollstream.shared.envs.text import format_reply
 
 REFERENCES = ("random", "right_down", "optimal")
 

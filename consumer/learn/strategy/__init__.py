@@ -1,7 +1,7 @@
 """Training strategies: where the model lives and how one optimizer step is taken.
 
 A strategy owns the model, the optimizer and the lr schedule, and offers the few primitives the PPO loop in
-`consumer.policy_learner` needs: a forward pass to logits, backward, an optimizer step, weight publication and
+`rollstream.consumer.learn.policy_learner` needs: a forward pass to logits, backward, an optimizer step, weight publication and
 checkpoints. The loop only ever hands it tensors, so a multi-rank strategy can run the same loop on every rank
 over its share of a batch (see `deepspeed_strategy` for what that path still needs).
 
@@ -23,7 +23,7 @@ from typing import Any, Protocol
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel, get_scheduler
 
-from shared.config import ConfigError, RollstreamConfig
+from rollstream.shared.config import ConfigError, RollstreamConfig
 
 TRAIN_DTYPES = ("fp32", "bf16")
 LR_SCHEDULERS = ("constant", "linear", "cosine")
@@ -177,11 +177,11 @@ def make_strategy(cfg: RollstreamConfig) -> TrainStrategy:
     options = dict(cfg.actor_train.strategy_args.strategy_config)
     model, optim = ModelSettings.from_config(cfg), OptimSettings.from_config(cfg)
     if name == "torch_train":
-        from consumer.strategy.torch_strategy import TorchStrategy
+        from rollstream.consumer.learn.strategy.torch_strategy import TorchStrategy
 
         return TorchStrategy(model, optim, **_options(name, options, ("device", "cpu_threads")))
     if name == "deepspeed_train":
-        from consumer.strategy.deepspeed_strategy import DeepSpeedStrategy
+        from rollstream.consumer.learn.strategy.deepspeed_strategy import DeepSpeedStrategy
 
         return DeepSpeedStrategy(model, optim, **_options(name, options, ("zero_stage",)),
                                  micro_batch_size=cfg.actor_train.training_args.per_device_train_batch_size)

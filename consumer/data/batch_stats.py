@@ -7,7 +7,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from shared.schema import Trajectory
+from rollstream.shared.schema import Trajectory
 
 
 def rollout_stats(trajs: Sequence[Trajectory], step: int, max_staleness: int = 0) -> dict[str, float]:

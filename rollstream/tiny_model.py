@@ -23,12 +23,12 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalize
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX as QWEN2_PRETOKENIZE_REGEX
 
-from producer.envs.base import TextEnv
-from producer.envs.frozen_lake import FrozenLakeEnv
-from producer.envs.registry import default_custom_envs, make_env
-from producer.envs.text import format_reply, parse_action, turn_prompt
-from producer.policy.base import Generation
-from producer.policy.conversation import ChatTemplateDeltas, Conversation
+from rollstream.producer.policy.base import Generation
+from rollstream.producer.policy.conversation import ChatTemplateDeltas, Conversation
+from rollstream.shared.envs.base import TextEnv
+from rollstream.shared.envs.frozen_lake import FrozenLakeEnv
+from rollstream.shared.envs.registry import default_custom_envs, make_env
+from rollstream.shared.envs.text import format_reply, parse_action, turn_prompt
 
 PAD_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"

@@ -10,8 +10,8 @@ from typing import Any
 import numpy as np
 from gymnasium import spaces
 
-from producer.envs.base import TextEnv, check_positive_int
-from producer.envs.render import CellStyle, draw_grid
+from rollstream.shared.envs.base import TextEnv, check_positive_int
+from rollstream.shared.envs.render import CellStyle, draw_grid
 
 Pos = tuple[int, int]
 

@@ -10,7 +10,7 @@ varies from step to step and DeepSpeed's fixed `gradient_accumulation_steps` can
 is the accumulation boundary.
 
 Several ranks: under a launcher (`torchrun --nproc_per_node N`, `deepspeed --num_gpus N`), which sets RANK and
-WORLD_SIZE, every rank builds the same engine; `consumer.distributed` has rank 0 read the stream and plan each
+WORLD_SIZE, every rank builds the same engine; `rollstream.consumer.learn.distributed` has rank 0 read the stream and plan each
 update, and every rank run its shard of it. What this strategy adds for that:
 - DeepSpeed averages gradients over the ranks, but the PPO loop already divides each rank's loss by the token
   count of the whole mini-batch (all ranks), so the gradient wanted is the sum: `backward` scales by world size.
@@ -32,9 +32,9 @@ from typing import Any
 import deepspeed
 import torch
 
-from consumer.strategy import ModelSettings, OptimSettings, causal_lm_logits, load_model, make_scheduler
-from shared.config import ConfigError
-from shared.weights_io import save_pretrained_atomically
+from rollstream.consumer.learn.strategy import ModelSettings, OptimSettings, causal_lm_logits, load_model, make_scheduler
+from rollstream.shared.config import ConfigError
+from rollstream.shared.weights_io import save_pretrained_atomically
 
 ZERO_STAGES = (1, 2, 3)
 CHECKPOINT_TAG = "state"

@@ -8,9 +8,9 @@ from typing import Any
 
 import torch
 
-from consumer.strategy import ModelSettings, OptimSettings, causal_lm_logits, load_model, make_scheduler
-from shared.config import ConfigError
-from shared.weights_io import save_pretrained_atomically
+from rollstream.consumer.learn.strategy import ModelSettings, OptimSettings, causal_lm_logits, load_model, make_scheduler
+from rollstream.shared.config import ConfigError
+from rollstream.shared.weights_io import save_pretrained_atomically
 
 CHECKPOINT_FILE = "torch_strategy.pt"
 

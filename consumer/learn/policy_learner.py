@@ -4,7 +4,7 @@ A train step reads top to bottom: advantages per trajectory -> padded token tens
 reference logprobs) -> for each PPO epoch, for each shuffled mini-batch: micro-batches sized by a token budget,
 forward, loss, backward; one optimizer step per mini-batch. The update is planned first (`plan_shards`: which
 rows each optimizer step trains on, split over the ranks) and then run (`run_shard`), which only sees tensors and a
-strategy: in one process the plan has one shard; with several ranks (`consumer.distributed`) rank 0 plans and
+strategy: in one process the plan has one shard; with several ranks (`rollstream.consumer.learn.distributed`) rank 0 plans and
 every rank runs its own shard.
 
 Old logprobs (the anchor of the PPO ratio), `old_logprobs`:
@@ -38,13 +38,13 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from consumer.advantages import AdvantageSettings, compute_advantages
-from consumer.batcher import Batch
-from consumer.loss import (approx_kl, kl_k3, masked_sum, ppo_policy_loss, response_positions, response_targets,
+from rollstream.consumer.learn.advantages import AdvantageSettings, compute_advantages
+from rollstream.consumer.data.batcher import Batch
+from rollstream.consumer.learn.loss import (approx_kl, kl_k3, masked_sum, ppo_policy_loss, response_positions, response_targets,
                            scatter_response, token_entropy, token_logprobs, truncated_importance_weights)
-from consumer.strategy import TrainStrategy, causal_lm_logits, minibatch_size
-from consumer.tensors import Shard, TokenBatch, build_token_batch, plan_shards
-from shared.config import RollstreamConfig
+from rollstream.consumer.learn.strategy import TrainStrategy, causal_lm_logits, minibatch_size
+from rollstream.consumer.learn.tensors import Shard, TokenBatch, build_token_batch, plan_shards
+from rollstream.shared.config import RollstreamConfig
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
 
-from producer.envs.text import parse_action, reply_instructions
+from rollstream.shared.envs.text import parse_action, reply_instructions
 
 MAX_REPLY_CHARS = 8192
 """Longest reply the action space describes; longer replies are still parsed, just outside the space."""

@@ -10,7 +10,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from enum import Enum
 
-from shared.schema import Trajectory
+from rollstream.shared.schema import Trajectory
 
 
 class Added(Enum):

@@ -10,8 +10,8 @@ from gymnasium import spaces
 from gymnasium.envs.toy_text.frozen_lake import FrozenLakeEnv as GymFrozenLake
 from gymnasium.envs.toy_text.frozen_lake import generate_random_map
 
-from producer.envs.base import TextEnv, check_positive_int
-from producer.envs.render import CellStyle, draw_grid
+from rollstream.shared.envs.base import TextEnv, check_positive_int
+from rollstream.shared.envs.render import CellStyle, draw_grid
 
 ACTIONS = ("Left", "Down", "Right", "Up")
 """In gymnasium's order: the index of a name is its gymnasium action."""

@@ -13,8 +13,8 @@ from dataclasses import dataclass, fields, replace
 import numpy as np
 import torch
 
-from consumer.advantages import TrajectoryAdvantage, finalize
-from shared.schema import Trajectory
+from rollstream.consumer.learn.advantages import TrajectoryAdvantage, finalize
+from rollstream.shared.schema import Trajectory
 
 
 @dataclass

@@ -1,0 +1,1 @@
+"""Learning from a batch: advantages, losses, token tensors, training strategies, ranks and checkpoints."""
