@@ -6,7 +6,7 @@ import logging
 import os
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, cast
 
 from rollstream.shared.config import RollstreamConfig, as_dict
 
@@ -85,5 +85,5 @@ def _init_wandb(cfg: RollstreamConfig) -> Any:
     os.environ.setdefault("WANDB_CONSOLE", "off")
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    return wandb.init(project=cfg.wandb_project, name=cfg.exp_name, mode=cfg.wandb_mode, dir=str(out),
+    return wandb.init(project=cfg.wandb_project, name=cfg.exp_name, mode=cast(Literal["online", "offline", "disabled"], cfg.wandb_mode), dir=str(out),
                       config=as_dict(cfg), reinit="finish_previous")

@@ -8,11 +8,12 @@ from pathlib import Path
 
 import redis
 
+from rollstream.shared import atomic
 from rollstream.shared.keys import Keys
 
-_VERSION_NAME = re.compile(r"(?:\.tmp-|\.trash-)?v(\d+)(?:-resumed-from-\d+)?(?:-[0-9a-f]{8}|:tmp-[0-9a-f]{8})?")
-"""A published version (v<N>, v<N>-resumed-from-<S>), or what an interrupted write left of one: a `.tmp-` or
-`.trash-` directory, a `:tmp-` Redis key. The trainer prunes after its own writes have finished, so a leftover of
+_VERSION_NAME = re.compile(atomic.leftover_pattern(r"v(\d+)(?:-resumed-from-\d+)?"))
+"""A published version (v<N>, v<N>-resumed-from-<S>), or what an interrupted write left of one (a temporary or
+moved-aside directory, a temporary Redis key: `atomic`). The trainer prunes after its own writes have finished, so a leftover of
 a version no worker can need is garbage, whatever state it was left in."""
 
 

@@ -79,7 +79,9 @@ class Validator:
             if entries:
                 ids = [e.entry_id for e in entries]
                 with self.client.pipeline(transaction=True) as pipe:
-                    pipe.xack(self.keys.val, TRAINER_GROUP, *ids).xdel(self.keys.val, *ids).execute()
+                    pipe.xack(self.keys.val, TRAINER_GROUP, *ids)
+                    pipe.xdel(self.keys.val, *ids)
+                    pipe.execute()
         if done() < self.expected:
             log.warning("validation round %d: %d of %d episodes arrived within group_timeout_s",
                         round_, done(), self.expected)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import sys
 from pathlib import Path
+from collections.abc import Callable
 from typing import TextIO
 
 from rollstream.shared.envs.registry import make_env
@@ -64,8 +65,9 @@ class _Narrated:
 
 def debug_env(cfg: RollstreamConfig, tag: str, policy_name: str, seed: int, out: TextIO = sys.stdout) -> Trajectory:
     env = make_env(tag, cfg.custom_envs)
-    policy: Policy = {"scripted": lambda: ScriptedPolicy(), "human": HumanPolicy,
-                      "llm": lambda: make_policy(cfg)}[policy_name]()
+    policies: dict[str, Callable[[], Policy]] = {"scripted": ScriptedPolicy, "human": HumanPolicy,
+                                                 "llm": lambda: make_policy(cfg)}
+    policy = policies[policy_name]()
     print(f"=== {tag} (seed {seed}, policy {policy_name}) ===\n--- system ---\n{env.system_prompt()}", file=out)
 
     def show(turn: Turn) -> None:

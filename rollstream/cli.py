@@ -10,7 +10,8 @@ import threading
 from collections.abc import Callable, Sequence
 
 from rollstream.shared.codec import CodecError
-from rollstream.shared.config import ConfigError, RollstreamConfig, load_config, to_yaml
+from rollstream.shared.config import ConfigError, RollstreamConfig, TinyModelConfig, load_config, to_yaml
+from rollstream.shared.keys import TRAINER_CONSUMER
 from rollstream.shared.redis_io import RedisUnavailable, connect, resolve_url
 
 log = logging.getLogger("rollstream")
@@ -59,7 +60,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--episodes-per-group", type=int, default=None,
                    help="burst mode: each group plays this many episodes, then the worker exits")
     p = command("trainer", _trainer, "run the trainer")
-    p.add_argument("--consumer", default="trainer-0", help="stable consumer name in the stream's group")
+    p.add_argument("--consumer", default=TRAINER_CONSUMER, help="stable consumer name in the stream's group")
     p = command("config", _config_show, "print the resolved config and the env layout (config show ...)",
                 config="none")
     p.add_argument("action", choices=["show"])
@@ -82,8 +83,8 @@ def _parser() -> argparse.ArgumentParser:
                 config="none")
     p.add_argument("out", help="directory to write the model and tokenizer to")
     p.add_argument("--tied", action="store_true", help="tie the input and output embeddings")
-    p.add_argument("--sft-seconds", type=float, default=120.0)
-    p.add_argument("--sft-steps", type=int, default=2000)
+    p.add_argument("--sft-seconds", type=float, default=TinyModelConfig.sft_seconds)
+    p.add_argument("--sft-steps", type=int, default=TinyModelConfig.sft_steps)
     p = command("replay", _replay, "push a recorded file into the trajectory stream", config="none")
     p.add_argument("file")
     p.add_argument("config", nargs="?")
@@ -166,7 +167,8 @@ def _debug_env(args: argparse.Namespace) -> int:
 def _tiny_model(args: argparse.Namespace) -> int:
     from rollstream.tiny_model import main_tiny_model
 
-    main_tiny_model(args.out, tie_word_embeddings=args.tied, sft_steps=args.sft_steps, sft_seconds=args.sft_seconds)
+    main_tiny_model(args.out, TinyModelConfig(tie_word_embeddings=args.tied, sft_steps=args.sft_steps,
+                                              sft_seconds=args.sft_seconds))
     return 0
 
 

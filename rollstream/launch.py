@@ -67,10 +67,9 @@ def ensure_pretrained(cfg: RollstreamConfig) -> None:
         return
     from rollstream.tiny_model import main_tiny_model
 
-    t = cfg.tiny_model
-    log.info("building the tiny model in %s (format warm start: up to %.0f s)", cfg.pretrain, t.sft_seconds)
-    main_tiny_model(str(cfg.pretrain), tie_word_embeddings=t.tie_word_embeddings, sft_steps=t.sft_steps,
-                    sft_seconds=t.sft_seconds, hidden_size=t.hidden_size, layers=t.layers)
+    log.info("building the tiny model in %s (format warm start: up to %.0f s)", cfg.pretrain,
+             cfg.tiny_model.sft_seconds)
+    main_tiny_model(str(cfg.pretrain), cfg.tiny_model)
 
 
 def _prepare_namespace(cfg: RollstreamConfig, url: str, fresh: bool) -> None:

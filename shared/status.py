@@ -9,6 +9,7 @@ import redis
 
 from rollstream.shared.keys import TRAINER_GROUP, Keys
 from rollstream.shared.ledger import OUTCOMES, read_counters, reconciles
+from rollstream.shared.redis_io import text
 
 
 @dataclass
@@ -33,7 +34,7 @@ def read_status(client: redis.Redis, keys: Keys) -> Status:
     counters = read_counters(client, keys)
     workers = []
     for key in sorted(client.scan_iter(match=keys.worker_pattern, count=1000)):
-        workers.append({k.decode(): v.decode() for k, v in client.hgetall(key).items()})
+        workers.append({text(k): text(v) for k, v in client.hgetall(key).items()})
     workers.sort(key=lambda w: int(w.get("rank", 0)))
     return Status(
         version=int(client.get(keys.version) or 0),

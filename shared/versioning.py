@@ -1,4 +1,4 @@
-"""The version cap's arithmetic, both halves. Pure: the Redis script in `rollstream.shared.ledger` applies the same rule.
+"""The version cap's arithmetic, both halves. Pure: the ledger's Redis script applies the same rule.
 
 Policy version v = number of train steps done; step s consumes a batch and publishes version s + 1.
 G = rollout_batch_size / group_size groups per step, r = async_generation_ratio.
@@ -13,10 +13,6 @@ def admission_cap(version: int, ratio: int, groups_per_batch: int) -> int:
     With r = 0 exactly one batch is generated per version: generation never runs ahead of training.
     """
     return (version + ratio + 1) * groups_per_batch
-
-
-def may_admit(slots_in_use: int, version: int, ratio: int, groups_per_batch: int) -> bool:
-    return slots_in_use < admission_cap(version, ratio, groups_per_batch)
 
 
 def oldest_usable_version(step: int, ratio: int) -> int:

@@ -2,8 +2,7 @@
 
 The trainer writes each policy version as a Hugging Face directory (config, safetensors, tokenizer files);
 producers reload their engines from it. A reader must never see a half-written directory, so a version is
-written under a hidden temporary name beside its final path and renamed into place in one step (rename is
-atomic within one filesystem). The digest is a sha256 over every file's relative path and bytes, so a truncated,
+written under a temporary name and renamed into place (`atomic.write_dir`). The digest is a sha256 over every file's relative path and bytes, so a truncated,
 missing or swapped file is caught before an engine loads it.
 """
 
@@ -11,14 +10,14 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
 import torch
 from safetensors.torch import load_file
+
+from rollstream.shared import atomic
 
 DIGEST_PREFIX = "sha256:"
 _CHUNK = 1 << 20
@@ -72,24 +71,11 @@ def weights_path_from_uri(uri: str) -> Path:
 def write_atomically(final_dir: str | os.PathLike[str], write: Callable[[Path], None]) -> str:
     """Call `write(tmp_dir)`, then rename tmp_dir to `final_dir`; return the digest of what was written.
 
-    The temporary directory sits beside `final_dir` (same filesystem, so the rename is atomic) under a hidden
-    name readers ignore; it is removed if `write` fails. An existing `final_dir` is an error: a published
-    version is immutable.
+    A published version is immutable: an existing `final_dir` is an error.
     """
-    final = Path(final_dir)
-    if final.exists():
-        raise FileExistsError(f"weights directory {str(final)!r} already exists; versions are immutable")
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.parent / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
+    with atomic.staged_dir(final_dir) as tmp:
         write(tmp)
-        digest = compute_digest(tmp)
-        os.rename(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return digest
+        return compute_digest(tmp)
 
 
 def save_pretrained_atomically(

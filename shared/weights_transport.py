@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import uuid
 from pathlib import Path
 
 import msgpack
 import redis
 import redis.asyncio
 
+from rollstream.shared import atomic
 from rollstream.shared.keys import Keys
 from rollstream.shared.weights_io import weights_path_from_uri
 
@@ -40,7 +40,7 @@ def share_weights(client: redis.Redis, keys: Keys, announcement: dict[str, str |
     name = model_dir.name
     files = sorted((p for p in model_dir.rglob("*") if p.is_file()), key=lambda p: p.relative_to(model_dir).as_posix())
     manifest = [(p.relative_to(model_dir).as_posix(), p.stat().st_size) for p in files]
-    tmp = f"{keys.weights_blob(name)}:tmp-{uuid.uuid4().hex[:8]}"
+    tmp = atomic.temp_key(keys.weights_blob(name))
     try:
         for index, path in enumerate(files):
             with path.open("rb") as f:
@@ -70,8 +70,7 @@ async def fetch_weights(client: redis.asyncio.Redis, keys: Keys, uri: str, cache
         raise FileNotFoundError(f"weights {uri!r}: Redis has no key {key!r} (pruned, or Redis lost it); "
                                 "waiting for the next announced version")
     chunk_bytes, manifest = msgpack.unpackb(raw)
-    tmp = cache_dir / f".tmp-{name}-{uuid.uuid4().hex[:8]}"
-    try:
+    with atomic.staged_dir(final) as tmp:
         for index, (relative, size) in enumerate(manifest):
             target = tmp / relative
             target.parent.mkdir(parents=True, exist_ok=True)
@@ -82,10 +81,6 @@ async def fetch_weights(client: redis.asyncio.Redis, keys: Keys, uri: str, cache
                         raise FileNotFoundError(f"weights {uri!r}: chunk {index}:{chunk_index} of {relative} "
                                                 "vanished during the download (pruned?)")
                     f.write(chunk)
-        os.rename(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return final.resolve().as_uri()
 
 

@@ -6,7 +6,7 @@ import redis
 
 from rollstream.consumer.data.batcher import Batcher
 from rollstream.shared.codec import encode_drop, encode_trajectory
-from rollstream.shared.keys import Keys
+from rollstream.shared.keys import TRAINER_CONSUMER, Keys
 from rollstream.shared.ledger import Ledger, reconciles
 from rollstream.shared.schema import GroupDropNotice
 from tests.conftest import scripted_config
@@ -32,12 +32,12 @@ def _write_groups(client: redis.Redis, groups: list[int], *, version: int = 0, m
 def test_restart_rereads_pending_so_nothing_is_lost_or_used_twice(tmp_path, redis_client) -> None:
     cfg = _cfg(tmp_path)
     _write_groups(redis_client, [0, 1, 2, 3])
-    crashed = Batcher(redis_client, cfg, consumer="trainer-0")
+    crashed = Batcher(redis_client, cfg, consumer=TRAINER_CONSUMER)
     first = crashed.next_batch(0, timeout_s=5)  # read and assembled, then "crash" before commit
     assert first is not None
     assert redis_client.xpending(Keys.for_exp("b").traj, "trainer")["pending"] == 8
 
-    restarted = Batcher(redis_client, cfg, consumer="trainer-0")
+    restarted = Batcher(redis_client, cfg, consumer=TRAINER_CONSUMER)
     again = restarted.next_batch(0, timeout_s=5)
     assert [g.group_id for g in again.groups] == [g.group_id for g in first.groups]
     restarted.commit(again, 1, {"uri": "", "digest": ""})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -11,8 +12,10 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import psutil
 import redis
+from PIL import Image
 
 from rollstream.consumer.train import run_trainer
 from rollstream.shared.codec import decode_entry
@@ -58,7 +61,7 @@ def test_run_trains_on_complete_groups_that_match_the_layout(tmp_path: Path) -> 
         assert t.worker_rank == group_index % layout.num_workers
 
     out = tmp_path / "out"
-    assert (out / "plots" / "learning_curves.png").stat().st_size > 10_000
+    _assert_curves_drawn(out / "plots" / "learning_curves.png")
     assert list((out / "wandb").glob("offline-run-*"))
     assert {p.name for p in (out / "logs").iterdir()} == {"producer-0.log", "producer-1.log"}
     assert not _leftover_processes(out)
@@ -153,6 +156,44 @@ def test_trainer_killed_mid_run_resumes_and_trains_no_group_twice(tmp_path, redi
     assert counts["trained"] == 12 * cfg.groups_per_batch and reconciles(counts)
 
 
+def _assert_curves_drawn(png: Path) -> None:
+    """One 7 x 2.2 inch panel (100 dpi) per curve, with lines in matplotlib's first colour (C0) on them."""
+    with Image.open(png) as image:
+        width, height = image.size
+        pixels = np.asarray(image.convert("RGB")).reshape(-1, 3)
+    assert (width, height % 220) == (700, 0) and height >= 2 * 220, image.size
+    assert (pixels == (0x1F, 0x77, 0xB4)).all(axis=1).sum() > 100, "no curve drawn in colour C0"
+
+
+def _wait_until_training(out: Path, run: subprocess.Popen[str], timeout_s: float = 60) -> None:
+    """Until the trainer has committed a step while every env-worker beats (read from the run's own Redis)."""
+    cfg = scripted_config(out)
+    keys = Keys.for_exp(cfg.exp_name)
+    workers = plan_layout(cfg.train_env_manager, cfg.custom_envs, "train_env_manager").num_workers
+    deadline = time.monotonic() + timeout_s
+    client = None
+    while client is None or int(client.get(keys.version) or 0) < 1 \
+            or len(list(client.scan_iter(f"{keys.ns}:worker:*"))) < workers:
+        assert time.monotonic() < deadline and run.poll() is None, "no step committed with every worker live"
+        port = _embedded_redis_port(run.pid)
+        if client is None and port is not None:
+            client = redis.Redis(port=port, socket_timeout=10)
+        time.sleep(0.1)
+    client.close()
+
+
+def _embedded_redis_port(pid: int) -> int | None:
+    for child in psutil.Process(pid).children(recursive=True):
+        try:
+            args = child.cmdline()
+        except psutil.Error:
+            continue
+        # redis-server and valkey-server rename their process to "<binary> 127.0.0.1:<port>"
+        if args and "server" in args[0] and (found := re.search(r"127\.0\.0\.1:(\d+)", " ".join(args))):
+            return int(found.group(1))
+    return None
+
+
 def test_sigterm_to_run_stops_every_process_it_started(tmp_path: Path) -> None:
     out = tmp_path / "out"
     run = subprocess.Popen([sys.executable, "-m", "rollstream", "run", str(CONFIG), f"output_dir={out}",
@@ -161,7 +202,7 @@ def test_sigterm_to_run_stops_every_process_it_started(tmp_path: Path) -> None:
     while not list(out.glob("logs/producer-*.log")) or not (out / "redis" / "server.log").exists():
         assert time.monotonic() < deadline and run.poll() is None
         time.sleep(0.1)
-    time.sleep(3)  # trainer and env-workers are running
+    _wait_until_training(out, run)
     run.send_signal(signal.SIGTERM)
     _, stderr = run.communicate(timeout=60)
     assert run.returncode == 130, stderr[-2000:]

@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from rollstream.consumer.learn.policy_learner import STRATEGY_DIR, PolicyLearner, plan_update, run_shard
+from rollstream.consumer.learn.checkpoints import strategy_dir
+from rollstream.consumer.learn.policy_learner import PolicyLearner, plan_update, run_shard
 from rollstream.consumer.learn.strategy import launched_world_size, make_strategy
 from rollstream.consumer.learn.tensors import TokenBatch
 from rollstream.shared.config import ConfigError, RollstreamConfig
@@ -57,7 +58,7 @@ class Control:
         """Follower: the leader's next message to this rank."""
         out: list[Any] = [None]
         torch.distributed.scatter_object_list(out, None, src=0, group=self.group)
-        return out[0]  # type: ignore[no-any-return]
+        return tuple(out[0])
 
     def barrier(self) -> None:
         torch.distributed.barrier(group=self.group)
@@ -88,7 +89,7 @@ class LeaderLearner(PolicyLearner):
         self.control.barrier()
 
     def load_checkpoint(self, directory: str | os.PathLike[str]) -> None:
-        self.control.broadcast((LOAD, str(Path(directory) / STRATEGY_DIR)))
+        self.control.broadcast((LOAD, str(strategy_dir(directory))))
         super().load_checkpoint(directory)
 
     def close(self) -> None:

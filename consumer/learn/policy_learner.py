@@ -24,10 +24,8 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 import shutil
 import time
-import uuid
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,20 +36,19 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rollstream.consumer.learn.advantages import AdvantageSettings, compute_advantages
 from rollstream.consumer.data.batcher import Batch
+from rollstream.consumer.learn.advantages import AdvantageSettings, compute_advantages
+from rollstream.consumer.learn.checkpoints import LearnerState, load_learner_state, save_checkpoint, strategy_dir
 from rollstream.consumer.learn.loss import (approx_kl, kl_k3, masked_sum, ppo_policy_loss, response_positions, response_targets,
                            scatter_response, token_entropy, token_logprobs, truncated_importance_weights)
 from rollstream.consumer.learn.strategy import TrainStrategy, causal_lm_logits, minibatch_size
 from rollstream.consumer.learn.tensors import Shard, TokenBatch, build_token_batch, plan_shards
+from rollstream.shared import atomic
 from rollstream.shared.config import RollstreamConfig
 
 log = logging.getLogger(__name__)
 
 OLD_LOGPROB_SOURCES = ("engine", "recompute")
-LEARNER_STATE_FILE = "learner.pt"
-STRATEGY_DIR = "strategy"
-"""The strategy's part of a checkpoint directory."""
 Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 """(input_ids, attention_mask, positions) -> logits; see `TrainStrategy.forward`."""
 
@@ -133,38 +130,21 @@ class PolicyLearner:
             # Published by an earlier run that crashed before committing the step: the version was never
             # announced (announcing is part of the commit), so no producer loads it and it can be replaced.
             log.warning("replacing unannounced weights %s left by an interrupted run", final)
-            shutil.rmtree(_move_aside(final), ignore_errors=True)
+            shutil.rmtree(atomic.move_aside(final), ignore_errors=True)
         digest = self.strategy.publish_weights(final, self.tokenizer)
         return {"uri": final.resolve().as_uri(), "digest": digest}
 
     def save_checkpoint(self, directory: str | os.PathLike[str]) -> None:
         """Model, optimizer, lr schedule, RNG and step count into `directory`, replaced atomically."""
-        final = Path(directory)
-        final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = final.parent / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
-        (tmp / STRATEGY_DIR).mkdir(parents=True)
-        try:
-            self.save_strategy(tmp / STRATEGY_DIR)
-            torch.save({"steps_done": self.steps_done, "rng": capture_rng(self.generator)}, tmp / LEARNER_STATE_FILE)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        # The old checkpoint is moved aside, not deleted, until the new one holds its name.
-        previous = _move_aside(final) if final.exists() else None
-        os.rename(tmp, final)
-        if previous is not None:
-            shutil.rmtree(previous, ignore_errors=True)
+        save_checkpoint(directory, self.save_strategy, LearnerState(self.steps_done, self.generator))
 
     def save_strategy(self, directory: Path) -> None:
         """The strategy's part of a checkpoint (a multi-rank leader has every rank write its part)."""
         self.strategy.save_checkpoint(directory)
 
     def load_checkpoint(self, directory: str | os.PathLike[str]) -> None:
-        root = Path(directory)
-        self.strategy.load_checkpoint(root / STRATEGY_DIR)
-        state = torch.load(root / LEARNER_STATE_FILE, weights_only=True)
-        self.steps_done = int(state["steps_done"])
-        restore_rng(state["rng"], self.generator)
+        self.strategy.load_checkpoint(strategy_dir(directory))
+        self.steps_done = load_learner_state(directory, self.generator)
 
     def close(self) -> None:
         self.reference = None
@@ -186,9 +166,10 @@ def check_trainable(tokens: TokenBatch, step: int) -> None:
 def load_reference(cfg: RollstreamConfig, device: torch.device) -> Forward:
     """The initial weights (`pretrain`), frozen, for the KL penalty."""
     dtype = torch.bfloat16 if cfg.actor_train.model_args.dtype == "bf16" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(cfg.pretrain, dtype=dtype,
+    model = AutoModelForCausalLM.from_pretrained(str(cfg.pretrain), dtype=dtype,
                                                  attn_implementation=cfg.actor_train.model_args.attn_implementation)
-    model = model.to(device).eval().requires_grad_(False)
+    torch.nn.Module.to(model, device)  # in place; transformers' decorator hides PreTrainedModel.to's signature from type checkers
+    model.eval().requires_grad_(False)
 
     def forward(input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 positions: torch.Tensor | None = None) -> torch.Tensor:
@@ -375,36 +356,3 @@ def run_shard(strategy: TrainStrategy, shard: Shard, settings: UpdateSettings,
     update_s = time.monotonic() - logprobs_done
     return {"actor/lr": strategy.lr, **tally.metrics(update_s),
             "time/logprobs_s": logprobs_done - start, "time/update_s": update_s}
-
-
-def capture_rng(generator: torch.Generator) -> dict[str, Any]:
-    """Every RNG a training process draws from, as tensors and plain values (loadable with weights_only)."""
-    np_state = np.random.get_state()
-    py_version, py_state, py_gauss = random.getstate()
-    return {
-        "shuffle": generator.get_state(),
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-        "numpy": {"keys": torch.from_numpy(np.asarray(np_state[1], np.int64)), "pos": int(np_state[2]),
-                  "has_gauss": int(np_state[3]), "cached_gaussian": float(np_state[4])},
-        "python": {"version": py_version, "state": torch.tensor(py_state, dtype=torch.int64), "gauss": py_gauss},
-    }
-
-
-def restore_rng(state: dict[str, Any], generator: torch.Generator) -> None:
-    generator.set_state(state["shuffle"])
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-    np_state = state["numpy"]
-    np.random.set_state(("MT19937", np_state["keys"].numpy().astype(np.uint32), np_state["pos"],
-                         np_state["has_gauss"], np_state["cached_gaussian"]))
-    py = state["python"]
-    random.setstate((py["version"], tuple(int(x) for x in py["state"].tolist()), py["gauss"]))
-
-
-def _move_aside(path: Path) -> Path:
-    """Rename `path` to a hidden sibling (to delete), so nobody sees a half-deleted directory under its name."""
-    trash = path.parent / f".trash-{path.name}-{uuid.uuid4().hex[:8]}"
-    os.rename(path, trash)
-    return trash

@@ -68,7 +68,8 @@ class HFPolicy:
         seed: int = 0,
     ) -> None:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+        torch.nn.Module.to(self.model, device)  # in place; transformers' decorator hides PreTrainedModel.to's signature from type checkers
         self.device = torch.device(device)
         self.max_batch_size = max_batch_size
         self.batch_wait_s = batch_wait_s
@@ -90,6 +91,11 @@ class HFPolicy:
     @property
     def version(self) -> int:
         return self._version
+
+    @property
+    def generating(self) -> bool:
+        """A batch is on the model now."""
+        return self._model_lock.locked()
 
     def prompt_token_ids(self, request: GenerateRequest) -> list[int]:
         return request_prompt_ids(self.tokenizer, request)
@@ -174,7 +180,7 @@ class HFPolicy:
     def _to_generation(self, tokens: list[int], logprobs: list[float]) -> Generation:
         stopped = bool(tokens) and tokens[-1] in self.stop_ids
         return Generation(
-            text=self.tokenizer.decode(tokens, skip_special_tokens=True),
+            text=str(self.tokenizer.decode(tokens, skip_special_tokens=True)),
             token_ids=np.asarray(tokens, np.int32),
             logprobs=np.asarray(logprobs, np.float32),
             finish_reason="stop" if stopped else "length",

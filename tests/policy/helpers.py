@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,3 +49,12 @@ def reference_logprobs(model_dir: Path, input_ids: np.ndarray, positions: np.nda
         logp = model(ids[None]).logits[0].float().log_softmax(-1)
     pos = torch.as_tensor(np.asarray(positions), dtype=torch.long)
     return logp[pos - 1, ids[pos]].numpy()
+
+
+async def until(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    """Wait for `condition` to hold (checked at every turn of the event loop), or fail after timeout_s."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not condition():
+        assert loop.time() < deadline, f"condition not met within {timeout_s} s"
+        await asyncio.sleep(0.001)

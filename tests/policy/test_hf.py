@@ -15,7 +15,7 @@ from rollstream.producer.policy.base import GenerateRequest, Generation, Samplin
 from rollstream.producer.policy.hf import HFPolicy
 from rollstream.shared.weights_io import WeightsDigestError
 
-from .helpers import TinyVersions, reference_logprobs
+from .helpers import TinyVersions, reference_logprobs, until
 
 T = TypeVar("T")
 MESSAGES = [
@@ -121,7 +121,7 @@ def test_close_fails_waiting_requests_instead_of_hanging(tied_model: TinyVersion
     async def body(policy: HFPolicy) -> list[BaseException | Generation]:
         requests = [GenerateRequest(MESSAGES, SamplingParams(200, seed=s)) for s in range(4)]
         pending = [asyncio.ensure_future(policy.generate(r)) for r in requests]
-        await asyncio.sleep(0.05)  # the first batch is running
+        await until(lambda: policy.generating)  # the first batch is on the model
         await policy.close()
         return await asyncio.wait_for(asyncio.gather(*pending, return_exceptions=True), timeout=30)
 

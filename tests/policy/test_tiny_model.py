@@ -11,6 +11,7 @@ import pytest
 from tokenizers import Tokenizer
 from transformers import AutoConfig, AutoTokenizer
 
+from rollstream.shared.config import TinyModelConfig
 from rollstream.tiny_model import REPLY_TAGS, describe, format_valid_rate, main_tiny_model, sft_format_warm_start
 
 from .helpers import TinyVersions
@@ -50,7 +51,7 @@ def test_the_format_warm_start_teaches_the_reply_format(tied_model: TinyVersions
 
 
 def test_main_tiny_model_builds_and_warm_starts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    main_tiny_model(str(tmp_path / "tiny"), sft_steps=2, sft_seconds=30, threads=1, eval_prompts=8)
+    main_tiny_model(str(tmp_path / "tiny"), TinyModelConfig(sft_steps=2, sft_seconds=30), threads=1, eval_prompts=8)
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["steps"] == 2 and Path(report["model_dir"]).is_dir()
     assert (tmp_path / "tiny" / "tokenizer.json").is_file() and (tmp_path / "tiny" / "model.safetensors").is_file()

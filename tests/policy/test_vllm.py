@@ -22,7 +22,7 @@ from rollstream.producer.policy.hf import HFPolicy
 from rollstream.producer.policy.vllm import VLLMPolicy
 from rollstream.shared.weights_io import WeightsDigestError, compute_digest
 
-from .helpers import TinyVersions, reference_logprobs
+from .helpers import TinyVersions, reference_logprobs, until
 
 T = TypeVar("T")
 pytestmark = [
@@ -159,9 +159,9 @@ def test_reload_in_place_gives_transformers_logprobs(engine: Engine) -> None:
 
     async def reload_under_load() -> tuple[list[Generation], list[Generation]]:
         before = [asyncio.ensure_future(engine.policy.generate(request(s))) for s in range(8)]
-        await asyncio.sleep(0)  # let them reach the engine before the reload closes the gate
+        await until(lambda: engine.policy.in_flight == len(before))  # on the engine before the gate closes
         reload = asyncio.ensure_future(engine.policy.load_weights(1, engine.model.v1.as_uri(), engine.model.v1_digest))
-        await asyncio.sleep(0.05)
+        await until(lambda: engine.policy.reloading)
         during = [asyncio.ensure_future(engine.policy.generate(request(s))) for s in range(8, 12)]
         await reload
         # The same prompt again: a stale prefix cache from v0 would show up here.

@@ -105,7 +105,7 @@ def load_model(settings: ModelSettings) -> PreTrainedModel:
     # and the behaviour logprobs of an unchanged model agree. Forwards pass use_cache=False themselves; the
     # config is left alone because it is published with the weights.
     model.train()
-    return model  # type: ignore[no-any-return]
+    return model
 
 
 def causal_lm_logits(model: Callable[..., Any], output_embeddings: torch.nn.Module, input_ids: torch.Tensor,
@@ -117,11 +117,11 @@ def causal_lm_logits(model: Callable[..., Any], output_embeddings: torch.nn.Modu
     DeepSpeed engine must see the whole forward. Called as modules, the output embeddings keep ZeRO-3's hooks.
     """
     if positions is None:
-        return model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits  # type: ignore
+        return model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
     no_logits = torch.empty(0, dtype=torch.long, device=input_ids.device)
     out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=no_logits,
                 output_hidden_states=True)
-    return output_embeddings(out.hidden_states[-1][positions])  # type: ignore[no-any-return]
+    return output_embeddings(out.hidden_states[-1][positions])
 
 
 def make_scheduler(optimizer: Any, settings: OptimSettings) -> torch.optim.lr_scheduler.LRScheduler:
@@ -130,7 +130,7 @@ def make_scheduler(optimizer: Any, settings: OptimSettings) -> torch.optim.lr_sc
     name = settings.lr_scheduler_type
     if name == "constant" and settings.warmup_steps > 0:
         name = "constant_with_warmup"
-    return get_scheduler(name, optimizer, num_warmup_steps=settings.warmup_steps,  # type: ignore[no-any-return]
+    return get_scheduler(name, optimizer, num_warmup_steps=settings.warmup_steps,
                          num_training_steps=max(settings.total_steps, 1))
 
 

@@ -49,7 +49,8 @@ class TorchStrategy:
                  cpu_threads: int | None = None) -> None:
         self.device = pick_device(device)
         set_cpu_threads(cpu_threads)
-        self.model = load_model(model).to(self.device)
+        self.model = load_model(model)
+        torch.nn.Module.to(self.model, self.device)  # in place; transformers' decorator hides PreTrainedModel.to's signature from type checkers
         self.optim = optim
         # bf16 is mixed precision: the parameters and the optimizer stay fp32, the forward runs under autocast.
         self.autocast_dtype = torch.bfloat16 if model.dtype == "bf16" else None
