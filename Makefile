@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 CONFIG ?= configs/frozen_lake.yaml
 
-.PHONY: setup run test bench clean
+.PHONY: setup run lint test bench clean
 
 setup: $(VENV)/.installed
 
@@ -21,6 +21,11 @@ $(VENV)/.installed: pyproject.toml
 
 run: setup
 	$(BIN)/rollstream run $(CONFIG)
+
+lint: setup
+	$(BIN)/ruff check rollstream producer consumer shared tests benchmarks
+	$(BIN)/lint-imports
+	$(BIN)/mypy
 
 test: setup
 	$(BIN)/python -m pytest

@@ -85,5 +85,6 @@ def _init_wandb(cfg: RollstreamConfig) -> Any:
     os.environ.setdefault("WANDB_CONSOLE", "off")
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    return wandb.init(project=cfg.wandb_project, name=cfg.exp_name, mode=cast(Literal["online", "offline", "disabled"], cfg.wandb_mode), dir=str(out),
+    mode = cast(Literal["online", "offline", "disabled"], cfg.wandb_mode)  # checked by the config
+    return wandb.init(project=cfg.wandb_project, name=cfg.exp_name, mode=mode, dir=str(out),
                       config=as_dict(cfg), reinit="finish_previous")

@@ -13,8 +13,8 @@ from rollstream.shared.keys import Keys
 
 _VERSION_NAME = re.compile(atomic.leftover_pattern(r"v(\d+)(?:-resumed-from-\d+)?"))
 """A published version (v<N>, v<N>-resumed-from-<S>), or what an interrupted write left of one (a temporary or
-moved-aside directory, a temporary Redis key: `atomic`). The trainer prunes after its own writes have finished, so a leftover of
-a version no worker can need is garbage, whatever state it was left in."""
+moved-aside directory, a temporary Redis key: `atomic`). The trainer prunes after its own writes have finished, so
+a leftover of a version no worker can need is garbage, whatever state it was left in."""
 
 
 def _prunable(name: str, loaded: list[int], newest: int) -> bool:

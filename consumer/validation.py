@@ -8,6 +8,7 @@ stream, `<ns>:val`, so they can never enter a train batch.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections import Counter
@@ -98,7 +99,7 @@ def reference_stats(cfg: RollstreamConfig) -> dict[str, float]:
     for tag in layout.groups_per_tag():
         seeds = [episode_seed(cfg.seed, "val", g.group_index, 0) for g in layout.groups if g.tag == tag]
         for name in REFERENCES:
-            value = reference_success(lambda: make_env(tag, cfg.custom_envs), seeds, name, seed=cfg.seed)
+            value = reference_success(functools.partial(make_env, tag, cfg.custom_envs), seeds, name, seed=cfg.seed)
             if value is not None:
                 stats[f"val/{tag}/ref_{name}"] = value
     return stats

@@ -7,16 +7,16 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import TextIO
 
-from rollstream.shared.envs.registry import make_env
 from rollstream.producer.episode import EpisodeSpec, Sampling, play_episode
 from rollstream.producer.policy.base import GenerateRequest, Generation, Policy
 from rollstream.producer.policy.factory import chat_template_of, make_policy
 from rollstream.producer.policy.scripted import ScriptedPolicy
 from rollstream.shared.config import RollstreamConfig
+from rollstream.shared.envs.registry import make_env
 from rollstream.shared.schema import Trajectory, Turn
 
 

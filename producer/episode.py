@@ -3,18 +3,18 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
-from rollstream.shared.envs.base import TextEnv
-from rollstream.shared.envs.render import save_frame
-from rollstream.shared.envs.text import turn_prompt
 from rollstream.producer.policy.base import GenerateRequest, Generation, Policy, SamplingParams
 from rollstream.producer.policy.conversation import ChatTemplateDeltas, Conversation
 from rollstream.shared.config import GeneratingArgs
+from rollstream.shared.envs.base import TextEnv
+from rollstream.shared.envs.render import save_frame
+from rollstream.shared.envs.text import turn_prompt
 from rollstream.shared.schema import Trajectory, Turn, make_group_id, make_traj_id
 from rollstream.shared.seeding import turn_seed
 

@@ -18,17 +18,18 @@ from pathlib import Path
 
 import redis.asyncio
 
-from rollstream.shared.envs.base import TextEnv
-from rollstream.shared.envs.registry import make_env
 from rollstream.producer.episode import EpisodeSpec, Sampling, play_episode
 from rollstream.producer.policy.base import Policy
 from rollstream.producer.policy.factory import chat_template_of
+from rollstream.producer.validation import ValidationPlayer
 from rollstream.shared.codec import encode_drop, encode_trajectory
 from rollstream.shared.config import RollstreamConfig
+from rollstream.shared.envs.base import TextEnv
+from rollstream.shared.envs.registry import make_env
 from rollstream.shared.keys import Keys
 from rollstream.shared.layout import GroupSpec, plan_layout
 from rollstream.shared.ledger import Admission, AsyncAdmissions
-from rollstream.shared.schema import VAL_GREEDY_MEMBER, GroupDropNotice, Trajectory, group_prefix
+from rollstream.shared.schema import GroupDropNotice, Trajectory, group_prefix
 from rollstream.shared.seeding import episode_seed
 from rollstream.shared.weights_io import weights_path_from_uri
 from rollstream.shared.weights_transport import drop_downloads, fetch_weights
@@ -72,7 +73,8 @@ class EnvWorker:
         self.render_dir = Path(render) if render else None
         self.chat = chat_template_of(policy)
         """Token-in/token-out for policies with a tokenizer; None for the scripted policy."""
-        self.validation = ValidationPlayer(self)
+        self.validation = ValidationPlayer(self, plan_layout(cfg.val_env_manager, cfg.custom_envs, "val_env_manager")
+                                           if cfg.eval_steps else None)
         self._val_tasks: set[asyncio.Task[None]] = set()
         self._val_rounds: set[int] = set()
 
@@ -329,48 +331,3 @@ class GroupRunner:
                             "will return their slots", self.worker.rank, reason)
                 return False
         return True
-
-
-class ValidationPlayer:
-    """This worker's share of the val groups (dealt round-robin over the train workers), played once per round
-    greedily (member 0) and `val_sampled_episodes` times at the training sampling settings (members 1..n), at
-    most val_env_manager.max_env_num_per_worker episodes at once."""
-
-    def __init__(self, worker: EnvWorker) -> None:
-        self.worker = worker
-        cfg = worker.cfg
-        self.groups = []
-        if cfg.eval_steps:
-            val = plan_layout(cfg.val_env_manager, cfg.custom_envs, "val_env_manager")
-            self.groups = [g for g in val.groups if g.group_index % worker.layout.num_workers == worker.rank]
-        self.members = 1 + cfg.val_sampled_episodes
-        self.concurrency = cfg.val_env_manager.max_env_num_per_worker
-
-    async def play_round(self, round_: int, version: int) -> None:
-        await self.worker.ensure_version(version)
-        slots = asyncio.Semaphore(self.concurrency)
-
-        async def play(spec: GroupSpec, member: int) -> None:
-            async with slots:
-                await self._play(spec, round_, member)
-
-        await asyncio.gather(*(play(g, m) for g in self.groups for m in range(self.members)))
-
-    async def _play(self, group: GroupSpec, round_: int, member: int) -> None:
-        cfg, worker = self.worker.cfg, self.worker
-        # Every round plays the same held-out maps: the seed ignores the round.
-        spec = EpisodeSpec("val", group.tag, group.group_index, round_, member,
-                           episode_seed(cfg.seed, "val", group.group_index, 0), worker.rank)
-        max_tokens = cfg.custom_envs[group.tag].max_tokens_per_step
-        sampling = (Sampling(max_tokens, temperature=0.0) if member == VAL_GREEDY_MEMBER
-                    else Sampling.training(max_tokens, cfg.actor_infer.generating_args))
-        try:
-            traj = await worker.play(make_env(group.tag, cfg.custom_envs), spec, sampling)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            log.exception("worker %d: validation episode %s member %d failed", worker.rank, spec.group_id, member)
-            notice = GroupDropNotice(spec.group_id, "error", f"{type(e).__name__}: {e}"[:500], worker.rank)
-            await worker.publish(encode_drop(notice), worker.keys.val)
-            return
-        await worker.publish(encode_trajectory(traj), worker.keys.val)

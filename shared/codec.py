@@ -6,7 +6,8 @@ payload, so `redis-cli XRANGE <ns>:traj - + COUNT 3` is legible. The payload is 
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import msgpack
 import numpy as np

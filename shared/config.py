@@ -7,9 +7,10 @@ Every bad value raises `ConfigError` naming the key, the value and what would be
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException

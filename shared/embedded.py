@@ -62,7 +62,7 @@ class EmbeddedRedis:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
-    def start(self, timeout_s: float = 10.0) -> "EmbeddedRedis":
+    def start(self, timeout_s: float = 10.0) -> EmbeddedRedis:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         args = [
             str(find_server_binary()), "--bind", "127.0.0.1", "--port", str(self.port),
@@ -111,7 +111,7 @@ class EmbeddedRedis:
             self.process.kill()
             self.process.wait()
 
-    def __enter__(self) -> "EmbeddedRedis":
+    def __enter__(self) -> EmbeddedRedis:
         return self.start()
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,

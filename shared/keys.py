@@ -18,7 +18,7 @@ class Keys:
     ns: str
 
     @classmethod
-    def for_exp(cls, exp_name: str) -> "Keys":
+    def for_exp(cls, exp_name: str) -> Keys:
         return cls(f"rollstream:{exp_name}")
 
     @property

@@ -8,8 +8,9 @@ Groups are dealt to workers round-robin, so every worker gets a similar mix of t
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from rollstream.shared.config import CustomEnvConfig, EnvManagerConfig
@@ -46,7 +47,7 @@ class Layout:
 
 
 def plan_layout(
-    em: "EnvManagerConfig", custom_envs: Mapping[str, "CustomEnvConfig"], section: str
+    em: EnvManagerConfig, custom_envs: Mapping[str, CustomEnvConfig], section: str
 ) -> Layout:
     """Check one env manager section and lay its groups out on workers."""
     from rollstream.shared.config import ConfigError
@@ -68,7 +69,7 @@ def plan_layout(
     return Layout(groups, num_workers, em.group_size, em.max_env_num_per_worker)
 
 
-def _check_tags(tags: list[str], custom_envs: Mapping[str, "CustomEnvConfig"], section: str) -> list[str]:
+def _check_tags(tags: list[str], custom_envs: Mapping[str, CustomEnvConfig], section: str) -> list[str]:
     from rollstream.shared.config import ConfigError
 
     if not tags:

@@ -9,8 +9,8 @@ The arithmetic is `rollstream.shared.versioning.admission_cap`, repeated in ADMI
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 import redis
 import redis.asyncio

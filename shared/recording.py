@@ -7,8 +7,9 @@ replayed entry holds the same payload bytes as the recorded one.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import IO, Iterator, Mapping
+from typing import IO
 
 import msgpack
 
@@ -46,7 +47,7 @@ class Recorder:
     def close(self) -> None:
         self._file.close()
 
-    def __enter__(self) -> "Recorder":
+    def __enter__(self) -> Recorder:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -6,7 +6,6 @@ Pure data, no I/O. The wire format lives in `rollstream.shared.codec`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
 
 import numpy as np
 

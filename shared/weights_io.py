@@ -2,8 +2,8 @@
 
 The trainer writes each policy version as a Hugging Face directory (config, safetensors, tokenizer files);
 producers reload their engines from it. A reader must never see a half-written directory, so a version is
-written under a temporary name and renamed into place (`atomic.write_dir`). The digest is a sha256 over every file's relative path and bytes, so a truncated,
-missing or swapped file is caught before an engine loads it.
+written under a temporary name and renamed into place (`atomic.staged_dir`). The digest is a sha256 over every
+file's relative path and bytes, so a truncated, missing or swapped file is caught before an engine loads it.
 """
 
 from __future__ import annotations

@@ -11,7 +11,6 @@ digest as on disk: it covers every file's path and bytes) before loading.
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import redis
 
-from rollstream.consumer.data.assembler import Added, Group, GroupAssembler
+from rollstream.consumer.data.assembler import Group, GroupAssembler
 from rollstream.consumer.data.reader import Entry, StreamReader
 from rollstream.shared.config import RollstreamConfig
 from rollstream.shared.keys import Keys

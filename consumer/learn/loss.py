@@ -1,6 +1,6 @@
 """The policy-gradient loss and its parts, token by token. Pure torch functions.
 
-Every per-token tensor is (B, T - 1), aligned on target tokens (see `rollstream.consumer.learn.tensors`). Logits are computed only
+Every per-token tensor is (B, T - 1), aligned on target tokens (see `tensors`). Logits are computed only
 where a response token is predicted (N, V): most of a multi-turn trajectory is prompt, so the lm_head and the
 softmax over the vocabulary would otherwise dominate the cost of a small model. Losses are summed over
 response tokens and divided by a `normalizer` the caller chooses: the number of response tokens in the whole

@@ -4,8 +4,8 @@ A train step reads top to bottom: advantages per trajectory -> padded token tens
 reference logprobs) -> for each PPO epoch, for each shuffled mini-batch: micro-batches sized by a token budget,
 forward, loss, backward; one optimizer step per mini-batch. The update is planned first (`plan_shards`: which
 rows each optimizer step trains on, split over the ranks) and then run (`run_shard`), which only sees tensors and a
-strategy: in one process the plan has one shard; with several ranks (`rollstream.consumer.learn.distributed`) rank 0 plans and
-every rank runs its own shard.
+strategy: in one process the plan has one shard; with several ranks (`distributed`) rank 0 plans and every rank
+runs its own shard.
 
 Old logprobs (the anchor of the PPO ratio), `old_logprobs`:
 - "engine" (default): the inference engine's logprobs of the sampled tokens, i.e. the behaviour policy mu that
@@ -30,7 +30,6 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -39,8 +38,18 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from rollstream.consumer.data.batcher import Batch
 from rollstream.consumer.learn.advantages import AdvantageSettings, compute_advantages
 from rollstream.consumer.learn.checkpoints import LearnerState, load_learner_state, save_checkpoint, strategy_dir
-from rollstream.consumer.learn.loss import (approx_kl, kl_k3, masked_sum, ppo_policy_loss, response_positions, response_targets,
-                           scatter_response, token_entropy, token_logprobs, truncated_importance_weights)
+from rollstream.consumer.learn.loss import (
+    approx_kl,
+    kl_k3,
+    masked_sum,
+    ppo_policy_loss,
+    response_positions,
+    response_targets,
+    scatter_response,
+    token_entropy,
+    token_logprobs,
+    truncated_importance_weights,
+)
 from rollstream.consumer.learn.strategy import TrainStrategy, causal_lm_logits, minibatch_size
 from rollstream.consumer.learn.tensors import Shard, TokenBatch, build_token_batch, plan_shards
 from rollstream.shared import atomic
@@ -168,7 +177,7 @@ def load_reference(cfg: RollstreamConfig, device: torch.device) -> Forward:
     dtype = torch.bfloat16 if cfg.actor_train.model_args.dtype == "bf16" else torch.float32
     model = AutoModelForCausalLM.from_pretrained(str(cfg.pretrain), dtype=dtype,
                                                  attn_implementation=cfg.actor_train.model_args.attn_implementation)
-    torch.nn.Module.to(model, device)  # in place; transformers' decorator hides PreTrainedModel.to's signature from type checkers
+    torch.nn.Module.to(model, device)  # in place; typed oddly by transformers
     model.eval().requires_grad_(False)
 
     def forward(input_ids: torch.Tensor, attention_mask: torch.Tensor,

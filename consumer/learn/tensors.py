@@ -220,7 +220,7 @@ def plan_shards(tokens: TokenBatch, world_size: int, *, epochs: int, minibatch_s
     for rank in range(world_size):
         local = {row: i for i, row in enumerate(rows[rank])}
 
-        def to_local(index: torch.Tensor) -> torch.Tensor:
+        def to_local(index: torch.Tensor, local: dict[int, int] = local) -> torch.Tensor:
             return torch.tensor([local[r] for r in index.tolist()], dtype=torch.long)
 
         steps = [StepPlan([to_local(m) for m in micro[rank]], max(len(m) for m in micro), normalizer)

@@ -6,8 +6,9 @@ Backends: `scripted` (seeded random valid actions, no model), `hf_infer` (transf
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Protocol
 
 import numpy as np
 

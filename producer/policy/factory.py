@@ -49,7 +49,7 @@ def _checked(cls: type, options: dict[str, Any]) -> dict[str, Any]:
     return options
 
 
-def chat_template_of(policy: Policy) -> "ChatTemplateDeltas | None":
+def chat_template_of(policy: Policy) -> ChatTemplateDeltas | None:
     """Token-in/token-out needs the policy's tokenizer; a policy without one plays on messages alone."""
     tokenizer = getattr(policy, "tokenizer", None)
     if tokenizer is None:

@@ -69,7 +69,7 @@ class HFPolicy:
     ) -> None:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
-        torch.nn.Module.to(self.model, device)  # in place; transformers' decorator hides PreTrainedModel.to's signature from type checkers
+        torch.nn.Module.to(self.model, device)  # in place; typed oddly by transformers
         self.device = torch.device(device)
         self.max_batch_size = max_batch_size
         self.batch_wait_s = batch_wait_s

@@ -9,8 +9,8 @@ import asyncio
 
 import numpy as np
 
-from rollstream.shared.envs.text import format_reply
 from rollstream.producer.policy.base import GenerateRequest, Generation
+from rollstream.shared.envs.text import format_reply
 
 
 class ScriptedPolicy:

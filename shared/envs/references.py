@@ -6,7 +6,7 @@ learns first); the optimal plan (BFS; FrozenLake without slip, Sokoban). Pure: e
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 

@@ -16,10 +16,10 @@ from collections.abc import Mapping
 from functools import reduce
 from typing import Any
 
+from rollstream.shared.config import CustomEnvConfig
 from rollstream.shared.envs.base import TextEnv, check_positive_int
 from rollstream.shared.envs.frozen_lake import FrozenLakeEnv
 from rollstream.shared.envs.sokoban import SokobanEnv
-from rollstream.shared.config import CustomEnvConfig
 
 ENV_TYPES: dict[str, type[TextEnv]] = {"frozen_lake": FrozenLakeEnv, "sokoban": SokobanEnv}
 

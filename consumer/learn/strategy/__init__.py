@@ -1,7 +1,7 @@
 """Training strategies: where the model lives and how one optimizer step is taken.
 
 A strategy owns the model, the optimizer and the lr schedule, and offers the few primitives the PPO loop in
-`rollstream.consumer.learn.policy_learner` needs: a forward pass to logits, backward, an optimizer step, weight publication and
+`policy_learner` needs: a forward pass to logits, backward, an optimizer step, weight publication and
 checkpoints. The loop only ever hands it tensors, so a multi-rank strategy can run the same loop on every rank
 over its share of a batch (see `deepspeed_strategy` for what that path still needs).
 

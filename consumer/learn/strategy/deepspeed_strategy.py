@@ -10,8 +10,8 @@ varies from step to step and DeepSpeed's fixed `gradient_accumulation_steps` can
 is the accumulation boundary.
 
 Several ranks: under a launcher (`torchrun --nproc_per_node N`, `deepspeed --num_gpus N`), which sets RANK and
-WORLD_SIZE, every rank builds the same engine; `rollstream.consumer.learn.distributed` has rank 0 read the stream and plan each
-update, and every rank run its shard of it. What this strategy adds for that:
+WORLD_SIZE, every rank builds the same engine; `distributed` has rank 0 read the stream and plan each update, and
+every rank run its shard of it. What this strategy adds for that:
 - DeepSpeed averages gradients over the ranks, but the PPO loop already divides each rank's loss by the token
   count of the whole mini-batch (all ranks), so the gradient wanted is the sum: `backward` scales by world size.
 - `publish_weights` is entered by all ranks (ZeRO-3 gathers collectively) and written by rank 0 alone;
@@ -32,7 +32,13 @@ from typing import Any
 import deepspeed
 import torch
 
-from rollstream.consumer.learn.strategy import ModelSettings, OptimSettings, causal_lm_logits, load_model, make_scheduler
+from rollstream.consumer.learn.strategy import (
+    ModelSettings,
+    OptimSettings,
+    causal_lm_logits,
+    load_model,
+    make_scheduler,
+)
 from rollstream.shared.config import ConfigError
 from rollstream.shared.weights_io import save_pretrained_atomically
 

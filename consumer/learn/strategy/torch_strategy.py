@@ -8,7 +8,13 @@ from typing import Any
 
 import torch
 
-from rollstream.consumer.learn.strategy import ModelSettings, OptimSettings, causal_lm_logits, load_model, make_scheduler
+from rollstream.consumer.learn.strategy import (
+    ModelSettings,
+    OptimSettings,
+    causal_lm_logits,
+    load_model,
+    make_scheduler,
+)
 from rollstream.shared.config import ConfigError
 from rollstream.shared.weights_io import save_pretrained_atomically
 
@@ -50,7 +56,7 @@ class TorchStrategy:
         self.device = pick_device(device)
         set_cpu_threads(cpu_threads)
         self.model = load_model(model)
-        torch.nn.Module.to(self.model, self.device)  # in place; transformers' decorator hides PreTrainedModel.to's signature from type checkers
+        torch.nn.Module.to(self.model, self.device)  # in place; typed oddly by transformers
         self.optim = optim
         # bf16 is mixed precision: the parameters and the optimizer stay fp32, the forward runs under autocast.
         self.autocast_dtype = torch.bfloat16 if model.dtype == "bf16" else None
