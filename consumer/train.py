@@ -91,7 +91,7 @@ def run_trainer(cfg: RollstreamConfig, client: redis.Redis, *, consumer: str = "
             metrics.log(step, stats, console=(step + 1) % cfg.logging_steps == 0)
             bar.update()
             bar.set_postfix(success=f"{stats.get('rollout/success', 0):.2f}",
-                            score=f"{stats.get('rollout/score', 0):.2f}", wait=f"{batch.wait_s:.1f}s")
+                            held_out=f"{metrics.latest('val/success') or 0:.2f}", wait=f"{batch.wait_s:.1f}s")
         if validator and not stop.is_set() and batcher.ledger.version() == cfg.max_steps > start:
             metrics.log(cfg.max_steps, validator.run(cfg.max_steps, version=cfg.max_steps))
     finally:

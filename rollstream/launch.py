@@ -69,7 +69,7 @@ def ensure_pretrained(cfg: RollstreamConfig) -> None:
 
     log.info("building the tiny model in %s (format warm start: up to %.0f s)", cfg.pretrain,
              cfg.tiny_model.sft_seconds)
-    main_tiny_model(str(cfg.pretrain), cfg.tiny_model)
+    main_tiny_model(str(cfg.pretrain), cfg.tiny_model, seed=cfg.seed)
 
 
 def _prepare_namespace(cfg: RollstreamConfig, url: str, fresh: bool) -> None:

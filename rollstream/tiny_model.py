@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX as QWEN2_PRETOKENIZE_REGEX
 
@@ -242,7 +243,10 @@ def sft_format_warm_start(
     # A fixed short warmup, not a share of `steps`: a time-limited run passes a large `steps` it never reaches.
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup_steps))
     start, loss_ema, step = time.monotonic(), float("nan"), 0
-    with _torch_threads(threads):
+    # A bar over whichever bound ends the warm start: the step count, or the seconds
+    bar = tqdm(total=steps if max_seconds is None else round(max_seconds), unit="step" if max_seconds is None
+               else "s", desc="format warm start", disable=None, dynamic_ncols=True, leave=False)
+    with _torch_threads(threads), bar:
         while step < steps and (max_seconds is None or time.monotonic() - start < max_seconds):
             convs = [random_valid_conversation(rng, envs, deltas, max_turns, think_prob)[0] for _ in range(batch_size)]
             loss = model(**_batch(convs, tokenizer.pad_token_id)).loss
@@ -253,6 +257,8 @@ def sft_format_warm_start(
             schedule.step()
             loss_ema = loss.item() if step == 0 else 0.9 * loss_ema + 0.1 * loss.item()
             step += 1
+            bar.update(1 if max_seconds is None else min(round(time.monotonic() - start), bar.total) - bar.n)
+            bar.set_postfix(loss=f"{loss_ema:.3f}", steps=step, refresh=False)
     model.save_pretrained(model_dir)
     return {"steps": float(step), "seconds": time.monotonic() - start, "loss": loss_ema}
 
@@ -290,12 +296,17 @@ def format_valid_rate(
     return sum(valid) / len(valid)
 
 
-def main_tiny_model(out: str, settings: TinyModelConfig, *, threads: int | None = None,
+def main_tiny_model(out: str, settings: TinyModelConfig, *, seed: int = 0, threads: int | None = None,
                     eval_prompts: int = 128) -> None:
-    """`rollstream tiny-model OUT`: build the tiny model with its tokenizer and give it the format warm start."""
+    """`rollstream tiny-model OUT`: build the tiny model with its tokenizer and give it the format warm start.
+
+    The same seed gives the same tokenizer and initial weights; the warm start also draws from the seed, but a
+    warm start bounded by `sft_seconds` runs as many steps as the machine manages (bound it by `sft_steps` alone,
+    with a large `sft_seconds`, for a build that is the same everywhere)."""
     path = build_tiny_model(out, tie_word_embeddings=settings.tie_word_embeddings, hidden_size=settings.hidden_size,
-                            layers=settings.layers)
-    stats = sft_format_warm_start(path, settings.sft_steps, max_seconds=settings.sft_seconds, threads=threads)
+                            layers=settings.layers, seed=seed)
+    stats = sft_format_warm_start(path, settings.sft_steps, max_seconds=settings.sft_seconds, threads=threads,
+                                  seed=seed)
     stats["valid_rate"] = format_valid_rate(path, eval_prompts)
     print(json.dumps({"model_dir": str(path), **stats}))
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from urllib.parse import unquote, urlparse
 
 import torch
+import transformers
 from safetensors.torch import load_file
 
 from rollstream.shared import atomic
@@ -79,10 +80,10 @@ def write_atomically(final_dir: str | os.PathLike[str], write: Callable[[Path], 
 
 
 def save_pretrained_atomically(
-    model: torch.nn.Module,
+    model: transformers.PreTrainedModel,
     final_dir: str | os.PathLike[str],
     *,
-    tokenizer: object | None = None,
+    tokenizer: transformers.PreTrainedTokenizerBase | None = None,
     state_dict: dict[str, torch.Tensor] | None = None,
 ) -> str:
     """Publish a transformers model (and its tokenizer) as a safetensors directory; return its digest.
@@ -90,12 +91,13 @@ def save_pretrained_atomically(
     `state_dict` lets a sharded trainer pass the gathered full weights instead of the module's own.
     """
 
-    def write(tmp: Path) -> None:
-        model.save_pretrained(tmp, state_dict=state_dict)  # type: ignore[operator]
+    # transformers draws a "Writing model shards" bar per save: one per train step on the trainer's console
+    transformers.utils.logging.disable_progress_bar()
+    with atomic.staged_dir(final_dir) as tmp:
+        model.save_pretrained(tmp, state_dict=state_dict)
         if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)  # type: ignore[attr-defined]
-
-    return write_atomically(final_dir, write)
+            tokenizer.save_pretrained(tmp)
+        return compute_digest(tmp)
 
 
 def load_safetensors_dir(model_dir: str | os.PathLike[str]) -> dict[str, torch.Tensor]:

@@ -1,0 +1,158 @@
+"""The main job run N times with different seeds: what a user sees is the distribution, not one draw.
+
+    .venv/bin/python benchmarks/learning_runs.py --runs 3 [--config configs/frozen_lake.yaml] [key=value ...]
+
+Each run is `rollstream run CONFIG seed=S` in its own output dir, with its own embedded Redis; the seed also
+builds its own tiny model (tokenizer, initial weights and format warm start), so runs differ the way two users'
+runs differ. Runs go one after another: they would compete for the cores otherwise. From each run's
+`metrics.jsonl` (wall-clock minutes since the trainer started beside every logged metric) it takes held-out
+success, greedy (`val/success`) and sampled (`val_sampled/success`), as the last validation round logged by 5, 10
+and 15 minutes and at the end, and writes:
+- a table on stdout: min / median / max over runs at each of those times;
+- `benchmarks/results/learning_runs-<exp>.csv`: one row per run (env, seed, build seconds, the figures above);
+- `benchmarks/results/learning_runs-<exp>.png`: every run's held-out curves on a wall-clock axis, with the
+  reference policies on the same maps drawn as dashed lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rollstream.consumer.metrics import RECORD
+from rollstream.shared.config import load_config
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "benchmarks" / "results"
+MINUTES = (5, 10, 15)
+CURVES = {"greedy": "val/success", "sampled": "val_sampled/success"}
+
+
+@dataclass
+class Run:
+    seed: int
+    build_s: float
+    """From launch to the trainer's first logged metric: model build, engine start, first validation round."""
+    records: list[dict[str, float]] = field(default_factory=list)
+
+    def curve(self, key: str) -> list[tuple[float, float]]:
+        return [(r["minutes"], r[key]) for r in self.records if key in r]
+
+    def at(self, key: str, minutes: float | None) -> float | None:
+        """The last value logged by `minutes` into the run (None: the end)."""
+        points = [v for m, v in self.curve(key) if minutes is None or m <= minutes]
+        return points[-1] if points else None
+
+    def references(self) -> dict[str, float]:
+        last: dict[str, float] = {}
+        for record in self.records:
+            last |= {k.removeprefix("val/"): v for k, v in record.items() if k.startswith("val/") and "/ref_" in k}
+        return last
+
+
+def run_once(config: Path, seed: int, out_root: Path, overrides: list[str]) -> Run:
+    out = out_root / f"seed{seed}"
+    cmd = [sys.executable, "-m", "rollstream", "run", str(config), f"seed={seed}", f"output_dir={out}",
+           "wandb_mode=disabled", *overrides]
+    print(f"--- run seed={seed}: {' '.join(cmd[2:])}", flush=True)
+    launched = time.time()
+    env = {k: v for k, v in os.environ.items() if k != "ROLLSTREAM_REDIS_URL"}  # each run its own embedded Redis
+    code = subprocess.call(cmd, env=env)
+    if code != 0:
+        raise SystemExit(f"run with seed {seed} exited with code {code}; its logs are under {out}/logs")
+    records = [json.loads(line) for line in (out / RECORD).read_text().splitlines() if line.strip()]
+    first = records[0]
+    return Run(seed, first["time"] - 60 * first["minutes"] - launched, records)
+
+
+def summary_rows(runs: list[Run]) -> list[list[str]]:
+    def spread(values: list[float | None]) -> str:
+        present = [v for v in values if v is not None]
+        if not present:
+            return "-"
+        return f"{min(present):.2f} / {statistics.median(present):.2f} / {max(present):.2f}"
+
+    rows = []
+    for minutes in (*MINUTES, None):
+        label = f"{minutes} min" if minutes else "end"
+        rows.append([label, *(spread([r.at(key, minutes) for r in runs]) for key in CURVES.values())])
+    return rows
+
+
+def write_csv(path: Path, env_name: str, runs: list[Run]) -> None:
+    columns = ["env", "seed", "build_s", "steps", "run_minutes"]
+    columns += [f"{name}_success_{m}min" for m in MINUTES for name in CURVES] + [f"{n}_success_end" for n in CURVES]
+    with path.open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(columns)
+        for r in runs:
+            figures = [r.at(key, m) for m in MINUTES for key in CURVES.values()]
+            figures += [r.at(key, None) for key in CURVES.values()]
+            writer.writerow([env_name, r.seed, round(r.build_s, 1), int(r.records[-1]["step"]),
+                             round(r.records[-1]["minutes"], 2),
+                             *("" if v is None else round(v, 4) for v in figures)])
+
+
+def plot(path: Path, runs: list[Run], title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(CURVES), figsize=(11, 4), sharey=True, squeeze=False)
+    for ax, (name, key) in zip(axes[0], CURVES.items()):
+        for i, run in enumerate(runs):
+            points = run.curve(key)
+            if points:
+                ax.plot(*zip(*points), color=f"C{i}", marker=".", label=f"seed {run.seed}")
+        for j, (ref, value) in enumerate(sorted(runs[0].references().items())):
+            ax.axhline(value, linestyle="--", linewidth=0.8, color="gray", alpha=0.4 + 0.2 * j, label=ref)
+        ax.set_title(f"held-out success, {name}")
+        ax.set_xlabel("minutes since the trainer started")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="lower right")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--seeds", type=int, nargs="*", help="default: 1..runs")
+    parser.add_argument("--config", type=Path, default=REPO / "configs" / "frozen_lake.yaml")
+    parser.add_argument("--out", type=Path, default=REPO / "output" / "learning_runs")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides for every run")
+    args = parser.parse_args()
+    seeds = args.seeds or list(range(1, args.runs + 1))
+    cfg = load_config(args.config, args.overrides)
+    env_name = "+".join(cfg.train_env_manager.tags)
+    runs = [run_once(args.config, seed, args.out / cfg.exp_name, args.overrides) for seed in seeds]
+
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    stem = RESULTS / f"learning_runs-{cfg.exp_name}"
+    write_csv(stem.with_suffix(".csv"), env_name, runs)
+    plot(stem.with_suffix(".png"), runs, f"{cfg.exp_name}: {len(runs)} runs (seeds {', '.join(map(str, seeds))})")
+    print(f"\n{cfg.exp_name} ({env_name}), {len(runs)} runs, seeds {seeds}; held-out success, min / median / max")
+    print("| minutes into the run | greedy | sampled |\n|---|---|---|")
+    for row in summary_rows(runs):
+        print("| " + " | ".join(row) + " |")
+    builds = [r.build_s for r in runs]
+    print(f"launch to first metric (model build, engine start, first validation): {min(builds):.0f}-"
+          f"{max(builds):.0f} s")
+    for name, value in sorted(runs[0].references().items()):
+        print(f"reference {name}: {value:.3f}")
+    print(f"wrote {stem}.csv and {stem}.png")
+
+
+if __name__ == "__main__":
+    main()
