@@ -26,7 +26,7 @@ from rollstream.producer.policy.factory import chat_template_of
 from rollstream.shared.codec import encode_drop, encode_trajectory
 from rollstream.shared.config import RollstreamConfig
 from rollstream.shared.keys import Keys
-from rollstream.shared.layout import GroupSpec, plan_layout
+from rollstream.shared.layout import GroupSpec
 from rollstream.shared.ledger import Admission, AsyncAdmissions
 from rollstream.shared.schema import VAL_GREEDY_MEMBER, GroupDropNotice, Trajectory, group_prefix
 from rollstream.shared.seeding import episode_seed
@@ -56,7 +56,7 @@ class EnvWorker:
         self.client = client
         self.policy = policy
         self.keys = Keys.for_exp(cfg.exp_name)
-        self.layout = plan_layout(cfg.train_env_manager, cfg.custom_envs, "train_env_manager")
+        self.layout = cfg.train_layout
         self.admissions = AsyncAdmissions(client, self.keys, cfg.groups_per_batch, cfg.async_generation_ratio)
         self.episodes_per_group = episodes_per_group
         """Burst mode: each group plays this many episodes, then the worker returns."""
@@ -341,7 +341,7 @@ class ValidationPlayer:
         cfg = worker.cfg
         self.groups = []
         if cfg.eval_steps:
-            val = plan_layout(cfg.val_env_manager, cfg.custom_envs, "val_env_manager")
+            val = cfg.val_layout
             self.groups = [g for g in val.groups if g.group_index % worker.layout.num_workers == worker.rank]
         self.members = 1 + cfg.val_sampled_episodes
         self.concurrency = cfg.val_env_manager.max_env_num_per_worker
@@ -361,7 +361,7 @@ class ValidationPlayer:
         # Every round plays the same held-out maps: the seed ignores the round.
         spec = EpisodeSpec("val", group.tag, group.group_index, round_, member,
                            episode_seed(cfg.seed, "val", group.group_index, 0), worker.rank)
-        max_tokens = cfg.custom_envs[group.tag].max_tokens_per_step
+        max_tokens = cfg.reply_tokens(group.tag)
         sampling = (Sampling(max_tokens, temperature=0.0) if member == VAL_GREEDY_MEMBER
                     else Sampling.training(max_tokens, cfg.actor_infer.generating_args))
         try:
