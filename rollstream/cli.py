@@ -112,7 +112,10 @@ def _load_with_notices(args: argparse.Namespace) -> Loaded:
 
 
 def _load(args: argparse.Namespace) -> RollstreamConfig:
-    return _load_with_notices(args).cfg
+    loaded = _load_with_notices(args)
+    for notice in loaded.notices:
+        log.info("config: %s", notice)
+    return loaded.cfg
 
 
 def _run(args: argparse.Namespace) -> int:

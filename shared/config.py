@@ -468,7 +468,7 @@ class RollstreamConfig:
 def load_config(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None,
                 overrides: Sequence[str] = ()) -> RollstreamConfig:
     """YAML file(s) (optional, later over earlier) merged over the schema, then `key=value` overrides, then every
-    check; ROLL's keys are read as `rollstream.shared.roll_keys` says. Notices are logged."""
+    check; ROLL's keys are read as `rollstream.shared.roll_keys` says (`config_load.load` also returns the notices)."""
     from rollstream.shared.config_load import load
 
     return load(path, overrides).cfg

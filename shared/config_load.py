@@ -8,7 +8,6 @@ resolved by omegaconf after the merge, so they may point at defaults.
 
 from __future__ import annotations
 
-import logging
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -24,8 +23,6 @@ from pydantic import TypeAdapter, ValidationError
 from rollstream.shared.config import ConfigError, RollstreamConfig, as_dict, redact_url
 from rollstream.shared.config_checks import check_config
 from rollstream.shared.roll_keys import translate
-
-log = logging.getLogger(__name__)
 
 ConfigPaths = Union[str, "os.PathLike[str]", Sequence[Union[str, "os.PathLike[str]"]], None]
 
@@ -46,13 +43,12 @@ def load(paths: ConfigPaths, overrides: Sequence[str] = ()) -> Loaded:
     if files and "actor_infer" not in user:
         raise ConfigError(f"{', '.join(map(str, files))}: no actor_infer section; without one the env-workers would "
                           "play the scripted random policy. Add actor_infer.strategy_args.strategy_name "
-                          "(vllm, hf_infer or scripted)")
+                          "(vllm, hf_infer or scripted), or, for a fragment, layer it after a full config: "
+                          "rollstream config show FULL.yaml FRAGMENT.yaml")
     merged = _resolve(deep_merge(_defaults(user), user))
     translated, notices = translate(merged)
     cfg = build(translated)
     notices += check_config(cfg)
-    for notice in notices:
-        log.info("config: %s", notice)
     return Loaded(cfg, notices)
 
 

@@ -104,7 +104,7 @@ def translate(data: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     for key, note in _MAPPED_TOP.items():
         if key in out:
             value = out.pop(key)
-            notices.append(f"{key}={_short(value)}: {note}")
+            notices.append(f"{key}: {note}" if isinstance(value, dict) else f"{key}={_short(value)}: {note}")
     for role in ("actor_train", "actor_infer"):
         if isinstance(out.get(role), dict):
             out[role] = _translate_worker(role, out[role], out, notices)

@@ -46,3 +46,13 @@ def test_bad_training_values_are_named(tmp_path: Path, override: str, message: s
 def test_a_training_strategy_needs_pretrain() -> None:
     with pytest.raises(ConfigError, match="pretrain is unset"):
         load_config(None, ["actor_train.strategy_args.strategy_name=deepspeed_train"])
+
+
+def test_actor_infer_infer_batch_size_sizes_hf_infer_batches(tiny_model: Path) -> None:
+    from rollstream.producer.policy.factory import make_policy
+
+    cfg = load_config(None, [f"pretrain={tiny_model}", "actor_infer.strategy_args.strategy_name=hf_infer",
+                             "actor_infer.infer_batch_size=3"])
+    assert make_policy(cfg).max_batch_size == 3  # type: ignore[attr-defined]
+    cfg = load_config(None, [f"pretrain={tiny_model}", "actor_infer.strategy_args.strategy_name=hf_infer"])
+    assert make_policy(cfg).max_batch_size == 64  # type: ignore[attr-defined]
