@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import re
 from dataclasses import MISSING, fields, is_dataclass
-from typing import Any, get_args, get_origin
+from types import UnionType
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 from rollstream.shared.config import RollstreamConfig
 from rollstream.shared.config_checks import STRATEGY_OPTIONS
@@ -22,22 +22,29 @@ def explain() -> str:
 def _section(cls: Any, prefix: str) -> list[str]:
     lines = []
     for f in fields(cls):
-        info = cls.__pydantic_fields__[f.name]
-        annotation = _strip(info.annotation)
-        if is_dataclass(annotation):
-            lines.append(f"{prefix}{f.name}:  # {_doc(info.description)}")
-            lines += _section(annotation, prefix + "  ")
+        annotation = cls.__pydantic_fields__[f.name].annotation
+        doc = field_doc(cls, f.name)
+        if is_dataclass(_strip(annotation)):
+            lines.append(f"{prefix}{f.name}:  # {doc}")
+            lines += _section(_strip(annotation), prefix + "  ")
             continue
-        lines.append(f"{prefix}{f.name}: {_type_name(annotation)} = {_default(f)}  # {_doc(info.description)}")
+        lines.append(f"{prefix}{f.name}: {type_name(annotation)} = {_default(f)}  # {doc}")
     return lines
 
 
+def field_doc(cls: Any, name: str) -> str:
+    """The field's docstring, from the class or, for an inherited field, the base class that documents it."""
+    for klass in cls.__mro__:
+        info = getattr(klass, "__pydantic_fields__", {}).get(name)
+        if info is not None and info.description:
+            return " ".join(info.description.split())
+    return ""
+
+
 def _strip(annotation: Any) -> Any:
-    return annotation if get_origin(annotation) is not None or not get_args(annotation) else annotation
-
-
-def _doc(description: str | None) -> str:
-    return " ".join((description or "").split())
+    """X from X | None, for sections."""
+    args = [a for a in get_args(annotation) if a is not type(None)]
+    return args[0] if get_origin(annotation) in (Union, UnionType) and len(args) == 1 else annotation
 
 
 def _default(f: Any) -> str:
@@ -49,8 +56,17 @@ def _default(f: Any) -> str:
     return "(required)"
 
 
-def _type_name(annotation: Any) -> str:
-    text = str(annotation).replace("typing.", "")
-    text = re.sub(r"Annotated\[(\w+(?:\[[^\]]*\])?), [^\]]*\]", r"\1", text)
-    text = re.sub(r"<class '(\w+)'>", r"\1", text)
-    return text.replace("NoneType", "None")
+def type_name(annotation: Any) -> str:
+    """A readable type: `int | None`, `'fp32' | 'bf16'`, `list[int]`."""
+    origin, args = get_origin(annotation), get_args(annotation)
+    if origin is Annotated:
+        return type_name(args[0])
+    if origin in (Union, UnionType):
+        return " | ".join(type_name(a) for a in args)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in args)
+    if origin is not None:
+        return f"{getattr(origin, '__name__', str(origin))}[{', '.join(type_name(a) for a in args)}]"
+    if annotation is type(None):
+        return "None"
+    return getattr(annotation, "__name__", str(annotation).replace("typing.", ""))

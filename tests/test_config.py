@@ -58,3 +58,27 @@ def test_missing_file_is_a_config_error(tmp_path: Path) -> None:
 def test_validation_group_size_must_be_one() -> None:
     with pytest.raises(ConfigError, match="val_env_manager.group_size=2"):
         load_config(CONFIG, ["eval_steps=5", "val_env_manager.group_size=2", "val_env_manager.tags=[FrozenLake]"])
+
+
+def test_every_key_has_a_one_line_docstring_and_explain_prints_it(capsys: pytest.CaptureFixture[str]) -> None:
+    from dataclasses import fields, is_dataclass
+
+    from rollstream.cli import main
+    from rollstream.shared.config import RollstreamConfig
+    from rollstream.shared.config_checks import STRATEGY_OPTIONS
+    from rollstream.shared.config_docs import field_doc
+
+    assert main(["config", "show", "--explain"]) == 0
+    explained = capsys.readouterr().out
+    pending = [RollstreamConfig, *[o for o in STRATEGY_OPTIONS.values() if is_dataclass(o)]]
+    seen = set()
+    while pending:
+        cls = pending.pop()
+        seen.add(cls)
+        for f in fields(cls):
+            doc = field_doc(cls, f.name)
+            assert doc, f"{cls.__name__}.{f.name} has no docstring"
+            assert f"{f.name}: " in explained and doc in explained
+            annotation = cls.__pydantic_fields__[f.name].annotation
+            if is_dataclass(annotation) and annotation not in seen:
+                pending.append(annotation)
