@@ -143,7 +143,7 @@ def strategy_options(args: StrategyArgs, role: str) -> Any:
     except ValidationError as e:
         from rollstream.shared.config_load import describe_error
 
-        first = dict(e.errors(include_url=False)[0])
+        first: dict[str, Any] = dict(e.errors(include_url=False)[0])
         first["loc"] = (*key.split("."), *first["loc"])
         raise ConfigError(describe_error(first)) from None
 

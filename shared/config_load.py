@@ -240,7 +240,7 @@ def _field_type(node: Any, part: str) -> Any:
     if is_dataclass(node):
         for f in fields(node):
             if f.name == part:
-                return _unwrap(node.__pydantic_fields__[f.name].annotation)  # type: ignore[attr-defined]
+                return _unwrap(getattr(node, "__pydantic_fields__")[f.name].annotation)  # noqa: B009
         return None
     if get_origin(node) is dict:
         return _unwrap(get_args(node)[1])
