@@ -22,7 +22,8 @@ from pydantic import TypeAdapter, ValidationError
 
 from rollstream.shared.config import ConfigError, RollstreamConfig, as_dict, redact_url
 from rollstream.shared.config_checks import check_config
-from rollstream.shared.roll_keys import translate
+from rollstream.shared.config_compose import compose, interpolated_roots
+from rollstream.shared.roll_keys import ROLL_TOP_KEYS, translate
 
 ConfigPaths = Union[str, "os.PathLike[str]", Sequence[Union[str, "os.PathLike[str]"]], None]
 
@@ -37,8 +38,9 @@ class Loaded:
 def load(paths: ConfigPaths, overrides: Sequence[str] = ()) -> Loaded:
     files = _as_list(paths)
     user: dict[str, Any] = {}
+    notices: list[str] = []
     for path in files:
-        user = deep_merge(user, read_yaml(path))
+        user = deep_merge(user, compose(path, read_yaml, deep_merge, notices))
     user = deep_merge(user, parse_overrides(overrides))
     if files and "actor_infer" not in user:
         raise ConfigError(f"{', '.join(map(str, files))}: no actor_infer section; without one the env-workers would "
@@ -46,7 +48,12 @@ def load(paths: ConfigPaths, overrides: Sequence[str] = ()) -> Loaded:
                           "(vllm, hf_infer or scripted), or, for a fragment, layer it after a full config: "
                           "rollstream config show FULL.yaml FRAGMENT.yaml")
     merged = _resolve(deep_merge(_defaults(user), user))
-    translated, notices = translate(merged)
+    variables = sorted((interpolated_roots(user) & set(merged)) - set(schema_keys([])) - ROLL_TOP_KEYS)
+    if variables:  # Hydra-style helpers (custom_env, max_actions_per_traj, ...): read, then not config keys
+        notices.append(f"{', '.join(variables)}: variables the config interpolates; not settings themselves")
+        merged = {k: v for k, v in merged.items() if k not in variables}
+    translated, roll_notices = translate(merged)
+    notices += roll_notices
     cfg = build(translated)
     notices += check_config(cfg)
     return Loaded(cfg, notices)

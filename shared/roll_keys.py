@@ -30,6 +30,11 @@ _HONOURED_TOP = ("exp_name", "seed", "output_dir", "logging_dir", "render_save_d
                  "async_generation_ratio")
 ROLL_KEYS: tuple[RollKey, ...] = (
     *(RollKey(k, "honoured", "same meaning") for k in _HONOURED_TOP),
+    RollKey("defaults", "honoured", "Hydra's defaults list: files composed in order (path@_here_, path@pkg, "
+            "_self_); config-group options and overrides refused"),
+    RollKey("hydra", "mapped", "unused: no Hydra run dir or logging; output_dir and logging_dir say where files go"),
+    RollKey("<variables>", "mapped", "top-level keys that only interpolations read (custom_env, "
+            "max_actions_per_traj, ...) are resolved, then dropped with a notice"),
     RollKey("adv_estimator", "honoured", "grpo and reinforce as in ROLL, plus gigpo; gae is refused (no critic)"),
     RollKey("gamma", "honoured", "discount of returns; used by gigpo's step-level returns"),
     RollKey("lambd", "refused", "GAE's lambda needs a critic; rollstream's estimators (grpo, reinforce, gigpo) "
@@ -85,6 +90,8 @@ ROLL_KEYS: tuple[RollKey, ...] = (
     RollKey("custom_envs.<tag>.agent_template", "refused", "not supported yet: the env writes its prompts"),
 )
 
+ROLL_TOP_KEYS = {k.key for k in ROLL_KEYS if "." not in k.key and "<" not in k.key}
+"""ROLL's own top-level keys: never mistaken for interpolation variables."""
 _MAPPED_TOP = {k.key: k.note for k in ROLL_KEYS if k.status == "mapped" and "." not in k.key and "<" not in k.key}
 _REFUSED_TOP = {k.key: k.note for k in ROLL_KEYS if k.status == "refused" and "." not in k.key}
 _ENV_NOTES = {k.key.rsplit(".", 1)[1]: k for k in ROLL_KEYS if k.key.startswith("custom_envs.<tag>.")
