@@ -19,7 +19,6 @@ from rollstream.consumer.data.batch_stats import per_tag_stats
 from rollstream.consumer.data.reader import StreamReader
 from rollstream.shared.config import RollstreamConfig
 from rollstream.shared.keys import TRAINER_GROUP, Keys
-from rollstream.shared.layout import plan_layout
 from rollstream.shared.schema import VAL_GREEDY_MEMBER, GroupDropNotice, Trajectory, parse_group_id
 from rollstream.shared.seeding import episode_seed
 
@@ -32,7 +31,7 @@ class Validator:
         self.cfg = cfg
         self.keys = Keys.for_exp(cfg.exp_name)
         self.members = 1 + cfg.val_sampled_episodes
-        self.expected = len(plan_layout(cfg.val_env_manager, cfg.custom_envs, "val_env_manager").groups) * self.members
+        self.expected = len(cfg.val_layout.groups) * self.members
         self.reader = StreamReader(client, self.keys, self.keys.val, consumer,
                                    count=cfg.redis.read_count, block_ms=cfg.redis.block_ms)
         client.delete(self.keys.paused)  # a trainer that died mid-round must not leave producers paused
@@ -94,7 +93,7 @@ def reference_stats(cfg: RollstreamConfig) -> dict[str, float]:
     from rollstream.shared.envs.references import REFERENCES, reference_success
     from rollstream.shared.envs.registry import make_env
 
-    layout = plan_layout(cfg.val_env_manager, cfg.custom_envs, "val_env_manager")
+    layout = cfg.val_layout
     stats = {}
     for tag in layout.groups_per_tag():
         seeds = [episode_seed(cfg.seed, "val", g.group_index, 0) for g in layout.groups if g.tag == tag]

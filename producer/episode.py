@@ -45,7 +45,10 @@ class Sampling:
 
     @classmethod
     def training(cls, max_tokens: int, gen: GeneratingArgs) -> Sampling:
-        """The settings train episodes sample with (actor_infer.generating_args)."""
+        """The settings train episodes sample with (actor_infer.generating_args); as in ROLL, max_new_tokens caps
+        the tag's max_tokens_per_step."""
+        if gen.max_new_tokens is not None:
+            max_tokens = min(max_tokens, gen.max_new_tokens)
         return cls(max_tokens, gen.temperature, gen.top_p, gen.top_k)
 
 

@@ -69,7 +69,7 @@ class ValidationPlayer:
         # Every round plays the same held-out maps: the seed ignores the round.
         spec = EpisodeSpec("val", group.tag, group.group_index, round_, member,
                            episode_seed(cfg.seed, "val", group.group_index, 0), worker.rank)
-        max_tokens = cfg.custom_envs[group.tag].max_tokens_per_step
+        max_tokens = cfg.reply_tokens(group.tag)
         sampling = (Sampling(max_tokens, temperature=0.0) if member == VAL_GREEDY_MEMBER
                     else Sampling.training(max_tokens, cfg.actor_infer.generating_args))
         try:

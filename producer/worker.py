@@ -27,7 +27,7 @@ from rollstream.shared.config import RollstreamConfig
 from rollstream.shared.envs.base import TextEnv
 from rollstream.shared.envs.registry import make_env
 from rollstream.shared.keys import Keys
-from rollstream.shared.layout import GroupSpec, plan_layout
+from rollstream.shared.layout import GroupSpec
 from rollstream.shared.ledger import Admission, AsyncAdmissions
 from rollstream.shared.schema import GroupDropNotice, Trajectory, group_prefix
 from rollstream.shared.seeding import episode_seed
@@ -57,7 +57,7 @@ class EnvWorker:
         self.client = client
         self.policy = policy
         self.keys = Keys.for_exp(cfg.exp_name)
-        self.layout = plan_layout(cfg.train_env_manager, cfg.custom_envs, "train_env_manager")
+        self.layout = cfg.train_layout
         self.admissions = AsyncAdmissions(client, self.keys, cfg.groups_per_batch, cfg.async_generation_ratio)
         self.episodes_per_group = episodes_per_group
         """Burst mode: each group plays this many episodes, then the worker returns."""
@@ -73,8 +73,7 @@ class EnvWorker:
         self.render_dir = Path(render) if render else None
         self.chat = chat_template_of(policy)
         """Token-in/token-out for policies with a tokenizer; None for the scripted policy."""
-        self.validation = ValidationPlayer(self, plan_layout(cfg.val_env_manager, cfg.custom_envs, "val_env_manager")
-                                           if cfg.eval_steps else None)
+        self.validation = ValidationPlayer(self, cfg.val_layout if cfg.eval_steps else None)
         self._val_tasks: set[asyncio.Task[None]] = set()
         self._val_rounds: set[int] = set()
 

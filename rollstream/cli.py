@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 
 from rollstream.shared.codec import CodecError
 from rollstream.shared.config import ConfigError, RollstreamConfig, TinyModelConfig, load_config, to_yaml
+from rollstream.shared.config_load import Loaded, load
 from rollstream.shared.keys import TRAINER_CONSUMER
 from rollstream.shared.redis_io import RedisUnavailable, connect, resolve_url
 
@@ -61,11 +62,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="burst mode: each group plays this many episodes, then the worker exits")
     p = command("trainer", _trainer, "run the trainer")
     p.add_argument("--consumer", default=TRAINER_CONSUMER, help="stable consumer name in the stream's group")
-    p = command("config", _config_show, "print the resolved config and the env layout (config show ...)",
-                config="none")
-    p.add_argument("action", choices=["show"])
-    p.add_argument("config", help="YAML config file")
+    p = command("config", _config, "show: the resolved config, ROLL-key notices and the env layouts; "
+                "show --explain: every key documented; roll-keys: the ROLL key table (markdown)", config="none")
+    p.add_argument("action", choices=["show", "roll-keys"])
+    p.add_argument("config", nargs="?", help="YAML config file (more files may follow; later ones win)")
     p.add_argument("overrides", nargs="*", metavar="key=value")
+    p.add_argument("--explain", action="store_true", help="print every key with its type, default and meaning")
     p = command("status", _status, "backlog, pending, lag, versions, group counters and live workers",
                 config="optional")
     _redis_target(p)
@@ -98,8 +100,23 @@ def _redis_target(p: argparse.ArgumentParser) -> None:
     p.add_argument("--exp", metavar="NAME", help="experiment name (else exp_name from the config)")
 
 
+def _files_and_overrides(args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """`CONFIG [MORE.yaml ...] [key=value ...]`: items without '=' are further config files."""
+    rest = list(args.overrides or [])
+    files = [args.config] if args.config else []
+    return files + [a for a in rest if "=" not in a], [a for a in rest if "=" in a]
+
+
+def _load_with_notices(args: argparse.Namespace) -> Loaded:
+    files, overrides = _files_and_overrides(args)
+    return load(files, overrides)
+
+
 def _load(args: argparse.Namespace) -> RollstreamConfig:
-    return load_config(args.config, args.overrides)
+    loaded = _load_with_notices(args)
+    for notice in loaded.notices:
+        log.info("config: %s", notice)
+    return loaded.cfg
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -172,16 +189,33 @@ def _tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
-def _config_show(args: argparse.Namespace) -> int:
-    from rollstream.shared.layout import describe_layout, plan_layout
+def _config(args: argparse.Namespace) -> int:
+    from rollstream.shared.config_checks import check_paths
+    from rollstream.shared.config_docs import explain
+    from rollstream.shared.layout import describe_layout
+    from rollstream.shared.roll_keys import markdown_table
 
-    cfg = _load(args)
+    if args.action == "roll-keys":
+        print(markdown_table(), end="")
+        return 0
+    if args.explain and not args.config:
+        print(explain(), end="")
+        return 0
+    if not args.config:
+        raise ConfigError("config show needs a config file (or --explain alone for the documented keys)")
+    loaded = _load_with_notices(args)
+    cfg = loaded.cfg
+    for notice in loaded.notices:
+        print(f"# notice: {notice}")
+    for problem in check_paths(cfg):
+        print(f"# warning (rollstream run refuses this here): {problem}")
     print(to_yaml(cfg))
     print("# train_env_manager layout")
-    print(describe_layout(plan_layout(cfg.train_env_manager, cfg.custom_envs, "train_env_manager")))
-    if cfg.eval_steps:
-        print("# val_env_manager layout")
-        print(describe_layout(plan_layout(cfg.val_env_manager, cfg.custom_envs, "val_env_manager")))
+    print("# " + describe_layout(cfg.train_layout).replace("\n", "\n# "))
+    print("# val_env_manager layout" + ("" if cfg.eval_steps else " (eval_steps is 0: validation never runs)"))
+    print("# " + describe_layout(cfg.val_layout).replace("\n", "\n# "))
+    if args.explain:
+        print(explain(), end="")
     return 0
 
 

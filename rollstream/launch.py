@@ -19,21 +19,25 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import IO
 
-from rollstream.shared.config import RollstreamConfig, dump_config
+from rollstream.shared.config import ConfigError, RollstreamConfig, dump_config
+from rollstream.shared.config_checks import check_paths, engine_size
 from rollstream.shared.embedded import EmbeddedRedis, die_with_parent
 from rollstream.shared.keys import Keys
-from rollstream.shared.layout import plan_layout
+from rollstream.shared.layout import visible_devices
 from rollstream.shared.redis_io import URL_ENV, connect, redact, resolve_url
 
 log = logging.getLogger(__name__)
 
 
 def run_local(cfg: RollstreamConfig, *, fresh: bool = False) -> int:
+    problems = check_paths(cfg)  # here, not as "see producer-0.log" after the processes started
+    if problems:
+        raise ConfigError(problems[0])
     out = Path(cfg.output_dir)
     config_path = out / "config.yaml"
     dump_config(cfg, config_path)
     ensure_pretrained(cfg)
-    layout = plan_layout(cfg.train_env_manager, cfg.custom_envs, "train_env_manager")
+    layout = cfg.train_layout
     logs = Path(cfg.logging_dir)
     logs.mkdir(parents=True, exist_ok=True)
     with ExitStack() as stack:
@@ -48,17 +52,26 @@ def run_local(cfg: RollstreamConfig, *, fresh: bool = False) -> int:
         env = os.environ | {URL_ENV: url}
         log_mode = "ab" if cfg.resume_from_checkpoint else "wb"
         producers = [
-            _spawn(["producer", str(config_path), "--worker-rank", str(rank)], env,
+            _spawn(["producer", str(config_path), "--worker-rank", str(rank)], _devices(env, cfg, "actor_infer", rank),
                    stack.enter_context(open(logs / f"producer-{rank}.log", log_mode)))
             for rank in range(layout.num_workers)
         ]
         log.info("started %d env-workers (logs in %s)", len(producers), logs)
-        trainer = _spawn(["trainer", str(config_path)], env, None)
+        trainer = _spawn(["trainer", str(config_path)], _devices(env, cfg, "actor_train", 0), None)
         try:
             code = _wait_for_trainer(trainer, producers, logs)
         finally:
             _stop_all([trainer, *producers])
     return code
+
+
+def _devices(env: dict[str, str], cfg: RollstreamConfig, role: str, rank: int) -> dict[str, str]:
+    """The role's device_mapping as CUDA_VISIBLE_DEVICES: env-worker k gets the k-th engine's GPUs, the trainer all
+    of actor_train's."""
+    mapping = getattr(cfg, role).device_mapping
+    per_process = engine_size(cfg) if role == "actor_infer" else len(mapping or [])
+    devices = visible_devices(mapping, rank, per_process)
+    return env if devices is None else env | {"CUDA_VISIBLE_DEVICES": devices}
 
 
 def ensure_pretrained(cfg: RollstreamConfig) -> None:

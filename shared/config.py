@@ -1,210 +1,442 @@
-"""The one typed config schema (omegaconf structured configs), its loading and its validation.
+"""The one typed config schema: every key, its type, its allowed values and a one-line docstring.
 
-Key names follow ROLL's agentic pipeline configs (see the seeds), so a ROLL user reads ours at a glance.
-Every bad value raises `ConfigError` naming the key, the value and what would be valid.
+Key names follow ROLL's agentic pipeline configs (see the seeds), so a ROLL user reads ours at a glance; how each
+ROLL key is honoured, mapped or refused lives in `rollstream.shared.roll_keys`. Reading files and overrides is
+`rollstream.shared.config_load`; checks across keys and the settings derived from them are
+`rollstream.shared.config_checks`. Every bad value raises `ConfigError` naming the key, the value and what is valid.
+The allowed values of a key are a Literal type here, used by the checks, the error messages and the docs alike.
 """
 
 from __future__ import annotations
 
+import ast
 import os
+import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import field
+from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Annotated, Any, Literal, get_args
+from urllib.parse import urlsplit
 
-from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from pydantic import AfterValidator, BeforeValidator, ConfigDict, Field
+from pydantic.dataclasses import dataclass
+
+if TYPE_CHECKING:
+    from rollstream.shared.layout import Layout
 
 
 class ConfigError(ValueError):
     """A config value is wrong; the message names the key, the value and what is valid."""
 
 
-@dataclass
+InferStrategy = Literal["scripted", "hf_infer", "vllm"]
+TrainStrategy = Literal["stats_only", "torch_train", "deepspeed_train"]
+InferDtype = Literal["fp32", "bf16", "fp16"]
+TrainDtype = Literal["fp32", "bf16"]
+"""fp32, or bf16 mixed precision (fp32 master weights); fp16 training would need loss scaling."""
+LrScheduler = Literal["constant", "linear", "cosine"]
+OldLogprobs = Literal["engine", "recompute"]
+AdvEstimator = Literal["grpo", "reinforce", "gigpo"]
+StdNormalize = Literal["group", "none"]
+AttnImplementation = Literal["eager", "sdpa", "flash_attention_2"]
+WeightsTransport = Literal["filesystem", "redis"]
+WandbMode = Literal["online", "offline", "disabled"]
+REDIS_SCHEMES = ("redis", "rediss", "unix")
+
+MAX_ENV_GROUPS = 100_000
+"""Bounds that keep a typo (num_env_groups: 10**12) an error, not a MemoryError while laying groups out."""
+MAX_GROUP_SIZE = 4096
+MAX_ENVS_PER_WORKER = 1_000_000
+
+
+def choices(literal: Any) -> tuple[Any, ...]:
+    """The allowed values of a Literal type, e.g. `choices(TrainDtype)` -> ('fp32', 'bf16')."""
+    return get_args(literal)
+
+
+def parse_int_list(value: Any) -> Any:
+    """ROLL writes GPU lists as Python: `list(range(0,4))`, `[0,1]+list(range(4,8))`. Read those; pass the rest on."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return _eval_int_list(ast.parse(value.strip(), mode="eval").body)
+    except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError, OverflowError) as e:
+        raise ValueError(f"cannot read {value!r} as a list of integers ({e}); write [0, 1, 2, 3] or "
+                         "list(range(0,4))") from None
+
+
+def _eval_int_list(node: ast.expr) -> list[int]:
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        return _eval_int_list(node.left) + _eval_int_list(node.right)
+    if isinstance(node, ast.List):
+        return [_int_constant(e) for e in node.elts]
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "list"
+            and len(node.args) == 1 and isinstance(node.args[0], ast.Call)
+            and isinstance(node.args[0].func, ast.Name) and node.args[0].func.id == "range"):
+        bounds = [_int_constant(a) for a in node.args[0].args]
+        if not 1 <= len(bounds) <= 3 or any(abs(b) > MAX_ENVS_PER_WORKER for b in bounds):
+            raise ValueError("range() takes 1 to 3 small integers")
+        return list(range(*bounds))
+    raise ValueError("only integer lists, list(range(...)) and + are understood")
+
+
+def _int_constant(node: ast.expr) -> int:
+    if isinstance(node, ast.Constant) and type(node.value) is int:
+        return node.value
+    raise ValueError("not an integer")
+
+
+def check_exp_name(name: str) -> str:
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", name):
+        raise ValueError("use letters, digits, '.', '_' and '-' (1 to 100, starting with a letter or digit): the "
+                         "name makes Redis keys rollstream:<exp_name>:*, so a colon, a space or a glob character "
+                         "(*?[]) would mix it up with other experiments' keys")
+    return name
+
+
+def redact_url(url: str) -> str:
+    """The URL with any password (user:password@ or ?password=) replaced by ***: for output, files and logs."""
+    try:
+        parts = urlsplit(url)
+        password = parts.password
+    except ValueError:
+        return "<unparseable URL>"
+    netloc = parts.netloc
+    if password is not None:
+        user_info, _, host = netloc.rpartition("@")
+        netloc = f"{user_info.split(':', 1)[0]}:***@{host}"
+    query = re.sub(r"(^|&)(password=)[^&]*", r"\1\2***", parts.query)
+    return parts._replace(netloc=netloc, query=query).geturl()
+
+
+def check_redis_url(url: str | None) -> str | None:
+    if url is None:
+        return None
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - parsing the port raises on a bad one
+    except ValueError as e:
+        raise ValueError(f"not a URL ({e})") from None
+    if parts.scheme not in REDIS_SCHEMES:
+        raise ValueError("must be redis://[user:password@]host:port/db, rediss://... (TLS) or unix:///path/to.sock; "
+                         "leave unset to start an embedded server")
+    if parts.scheme != "unix" and not parts.hostname:
+        raise ValueError("names no host: write redis://host:6379/0")
+    if parts.scheme == "unix" and not parts.path:
+        raise ValueError("names no socket path: write unix:///path/to/redis.sock")
+    return url
+
+
+def check_resume(value: Any) -> bool | str:
+    if isinstance(value, (bool, str)):
+        return value
+    if value is None:
+        return False
+    raise ValueError("must be false (start fresh), true (the latest checkpoint under output_dir) or the path of a "
+                     "checkpoint dir .../step_<n>")
+
+
+def _attn_alias(value: Any) -> Any:
+    return "flash_attention_2" if value == "fa2" else value  # ROLL's name for the same kernel
+
+
+PositiveInt = Annotated[int, Field(ge=1)]
+Count = Annotated[int, Field(ge=0)]
+IntList = Annotated[list[int], BeforeValidator(parse_int_list)]
+SCHEMA = ConfigDict(extra="forbid", use_attribute_docstrings=True, coerce_numbers_to_str=True, allow_inf_nan=False)
+
+
+@dataclass(config=SCHEMA)
 class CustomEnvConfig:
     """One entry of `custom_envs`: what a tag means."""
 
     env_type: str = "frozen_lake"
-    """A registered env type (frozen_lake, sokoban, ...) or an import path `package.module:Class`."""
-    max_actions_per_traj: int = 10
+    """A registered env type (frozen_lake, sokoban) or an import path `package.module:Class` to a TextEnv."""
+    max_actions_per_traj: Annotated[int, Field(ge=1, le=10_000)] = 10
     """Turns per episode before it is truncated."""
-    max_tokens_per_step: int = 128
-    """Most tokens the policy may generate in one reply."""
+    max_tokens_per_step: Annotated[int, Field(ge=1, le=1_000_000)] = 128
+    """Most tokens the policy may generate in one reply (capped further by generating_args.max_new_tokens)."""
     env_config: dict[str, Any] = field(default_factory=dict)
-    """Keyword arguments for the env's constructor."""
+    """Keyword arguments of the env's constructor (checked against it at load time)."""
 
 
-@dataclass
+XSB_VOCAB = {"wall": "#", "empty": "-", "target": ".", "box": "$", "box_on_target": "*", "player": "@",
+             "player_on_target": "+"}
+"""The classic Sokoban file notation (with - for floor, so no cell is a space)."""
+
+PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
+    "FrozenLake": ("frozen_lake", {"size": 4, "p": 0.8, "is_slippery": False}),
+    "SimpleSokoban": ("sokoban", {"dim_room": [6, 6], "num_boxes": 1, "search_depth": 30}),
+    "LargerSokoban": ("sokoban", {"dim_room": [10, 10], "num_boxes": 2, "search_depth": 30}),
+    "SokobanDifferentGridVocab": (
+        "sokoban", {"dim_room": [6, 6], "num_boxes": 1, "search_depth": 30, "grid_vocab": XSB_VOCAB}),
+}
+"""The seeds' tags, defined by default: tag -> (env_type, env_config). A tag the config writes replaces its preset."""
+
+
+def default_custom_envs() -> dict[str, CustomEnvConfig]:
+    """Fresh `custom_envs` entries for the default tags (other fields at their CustomEnvConfig defaults)."""
+    import copy
+
+    return {tag: CustomEnvConfig(env_type=env_type, env_config=copy.deepcopy(env_config))
+            for tag, (env_type, env_config) in PRESETS.items()}
+
+
+@dataclass(config=SCHEMA)
 class EnvManagerConfig:
     """How many envs of which tags run, and how they are packed into worker processes."""
 
-    max_env_num_per_worker: int = 16
+    max_env_num_per_worker: Annotated[int, Field(ge=1, le=MAX_ENVS_PER_WORKER)] = 16
     """Envs one worker process runs at once; a multiple of group_size, since a group is never split."""
-    num_env_groups: int = 8
+    num_env_groups: Annotated[int, Field(ge=1, le=MAX_ENV_GROUPS)] = 8
     """Env groups in total; each plays its own episodes."""
-    group_size: int = 8
+    group_size: Annotated[int, Field(ge=1, le=MAX_GROUP_SIZE)] = 8
     """Envs per group; they play the same episode (same config, same seed): one GRPO group."""
     tags: list[str] = field(default_factory=lambda: ["FrozenLake"])
     """Which `custom_envs` entries to run."""
-    num_groups_partition: list[int] | None = None
+    num_groups_partition: IntList | None = None
     """Groups per tag, in the order of `tags`; unset splits num_env_groups evenly."""
 
 
-@dataclass
+@dataclass(config=SCHEMA)
 class StrategyArgs:
+    """A role's backend and that backend's own settings."""
+
     strategy_name: str = "scripted"
-    """actor_infer: scripted | hf_infer | vllm; actor_train: stats_only | torch_train | deepspeed_train."""
+    """The backend (see actor_infer / actor_train for the allowed names)."""
     strategy_config: dict[str, Any] = field(default_factory=dict)
-    """Backend-specific settings (vLLM: gpu_memory_utilization, tensor_parallel_size, ...; torch_train: device;
-    deepspeed_train: zero_stage 1 | 2 | 3, default 2)."""
+    """Backend settings, checked against the backend's keys (see `rollstream config show --explain`)."""
 
 
-@dataclass
+@dataclass(config=SCHEMA)
+class InferStrategyArgs(StrategyArgs):
+    strategy_name: InferStrategy = "scripted"
+    """scripted (random valid actions, no model) | hf_infer (transformers generate) | vllm."""
+
+
+@dataclass(config=SCHEMA)
+class TrainStrategyArgs(StrategyArgs):
+    strategy_name: TrainStrategy = "stats_only"
+    """stats_only (no model: measures batches) | torch_train (one device) | deepspeed_train (ZeRO)."""
+
+
+@dataclass(config=SCHEMA)
 class GeneratingArgs:
-    max_new_tokens: int = 128
-    top_p: float = 1.0
-    top_k: int = -1
-    temperature: float = 1.0
-    num_return_sequences: int = 1
+    """Sampling settings of train episodes (validation's greedy member uses temperature 0)."""
+
+    max_new_tokens: Annotated[int, Field(ge=1)] | None = None
+    """Cap on one reply's tokens for every tag; the smaller of it and the tag's max_tokens_per_step wins (as ROLL)."""
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p."""
+    top_k: Annotated[int, Field(ge=-1)] = -1
+    """Keep the k most likely tokens; -1 keeps all."""
+    temperature: Annotated[float, Field(ge=0.0)] = 1.0
+    """Sampling temperature; 0 is greedy."""
+    num_return_sequences: Literal[1] = 1
+    """One reply per env per turn; GRPO samples come from train_env_manager.group_size, not from this."""
+    num_beams: Literal[1] = 1
+    """Sampling, no beam search (a beam would not be the policy's own sample)."""
 
 
-@dataclass
+@dataclass(config=SCHEMA)
 class TrainingArgs:
-    learning_rate: float = 3.0e-4
-    weight_decay: float = 0.0
-    per_device_train_batch_size: int = 8
-    gradient_accumulation_steps: int = 1
-    warmup_steps: int = 0
-    lr_scheduler_type: str = "constant"
-    """constant | linear | cosine (transformers' schedules), stepped once per optimizer step."""
-    max_grad_norm: float = 1.0
+    """Optimizer and batching settings of actor_train."""
+
+    learning_rate: Annotated[float, Field(gt=0.0)] = 3.0e-4
+    """AdamW learning rate (the peak, with warmup and a schedule)."""
+    weight_decay: Annotated[float, Field(ge=0.0)] = 0.0
+    """AdamW weight decay."""
+    per_device_train_batch_size: PositiveInt = 8
+    """Trajectories per micro-batch (one forward and backward) on each rank."""
+    gradient_accumulation_steps: PositiveInt = 1
+    """Micro-batches per optimizer step."""
+    warmup_steps: Count = 0
+    """Optimizer steps of linear learning-rate warmup."""
+    lr_scheduler_type: LrScheduler = "constant"
+    """Learning-rate schedule (transformers' schedules), stepped once per optimizer step."""
+    max_grad_norm: Annotated[float, Field(ge=0.0)] = 1.0
     """Clip the global gradient norm to this before each optimizer step; 0 disables clipping."""
-    max_tokens_per_microbatch: int = 0
-    """Token budget of a micro-batch (rows x longest row) for gradient accumulation; 0: per_device_train_batch_size
-    rows per micro-batch. A mini-batch (one optimizer step) is per_device_train_batch_size x
-    gradient_accumulation_steps trajectories either way."""
+    max_tokens_per_microbatch: Count = 0
+    """Token budget of a micro-batch (rows x longest row); 0: per_device_train_batch_size rows per micro-batch."""
 
 
-@dataclass
+@dataclass(config=SCHEMA)
 class ModelArgs:
-    dtype: str = "fp32"
-    model_type: str = "causal_lm"
-    attn_implementation: str = "sdpa"
+    """How a role loads the model at `pretrain`."""
+
+    dtype: InferDtype = "fp32"
+    """Compute dtype."""
+    model_type: Literal["causal_lm"] | None = None
+    """Only causal LMs load (AutoModelForCausalLM): unset or causal_lm."""
+    attn_implementation: Annotated[AttnImplementation, BeforeValidator(_attn_alias)] = "sdpa"
+    """transformers' attention kernel; ROLL's fa2 reads as flash_attention_2."""
     disable_gradient_checkpointing: bool = True
+    """false recomputes activations in backward (less memory, slower)."""
 
 
-@dataclass
+@dataclass(config=SCHEMA)
+class TrainModelArgs(ModelArgs):
+    dtype: TrainDtype = "fp32"
+    """fp32, or bf16 mixed precision (fp32 master weights, bf16 compute)."""
+
+
+@dataclass(config=SCHEMA)
 class WorkerConfig:
-    """`actor_train` / `actor_infer`: a role's model, training, generation and strategy settings."""
+    """A role's model, training, generation and strategy settings, and where it runs."""
 
     model_args: ModelArgs = field(default_factory=ModelArgs)
+    """Model loading."""
     training_args: TrainingArgs = field(default_factory=TrainingArgs)
+    """Optimizer and batching (actor_train)."""
     generating_args: GeneratingArgs = field(default_factory=GeneratingArgs)
+    """Sampling (actor_infer)."""
     strategy_args: StrategyArgs = field(default_factory=StrategyArgs)
-    device_mapping: Any = None
-    infer_batch_size: int = 1
+    """Backend."""
+    device_mapping: IntList | None = None
+    """GPU ids for this role (ROLL's list(range(0,4)) reads too): `rollstream run` sets CUDA_VISIBLE_DEVICES."""
+    infer_batch_size: Annotated[int, Field(ge=1)] | None = None
+    """Rows per no-grad forward: actor_train's old/reference logprob passes; hf_infer's generate batch."""
 
 
-@dataclass
+@dataclass(config=SCHEMA)
+class InferWorkerConfig(WorkerConfig):
+    strategy_args: InferStrategyArgs = field(default_factory=InferStrategyArgs)
+    """The inference backend."""
+
+
+@dataclass(config=SCHEMA)
+class TrainWorkerConfig(WorkerConfig):
+    model_args: TrainModelArgs = field(default_factory=TrainModelArgs)
+    """Model loading for training."""
+    strategy_args: TrainStrategyArgs = field(default_factory=TrainStrategyArgs)
+    """The training backend."""
+
+
+@dataclass(config=SCHEMA)
 class TinyModelConfig:
     """An offline stand-in for a pretrained instruct model: no model hub is needed."""
 
     build: bool = False
     """Make a tiny Qwen2 model (BPE tokenizer trained on the envs' text) at `pretrain` when that dir has none."""
     tie_word_embeddings: bool = False
-    hidden_size: int = 128
-    layers: int = 2
-    sft_seconds: float = 120.0
+    """Share the input and output embedding matrices."""
+    hidden_size: Annotated[int, Field(ge=16, le=8192)] = 128
+    """Width of the tiny model."""
+    layers: Annotated[int, Field(ge=1, le=64)] = 2
+    """Transformer layers of the tiny model."""
+    sft_seconds: Annotated[float, Field(ge=0.0)] = 120.0
     """Format warm start: supervised fine-tuning on replies with uniformly random valid actions, this long."""
-    sft_steps: int = 2000
+    sft_steps: Count = 2000
+    """Most steps of that warm start."""
 
 
-@dataclass
+@dataclass(config=SCHEMA)
 class RedisConfig:
-    url: str | None = None
-    """redis://[user:password@]host:port/db or rediss:// for TLS; unset starts an embedded server.
-    The environment variable ROLLSTREAM_REDIS_URL wins over this key."""
-    block_ms: int = 2000
+    """Where the streams live and how clients talk to it."""
+
+    url: Annotated[str | None, AfterValidator(check_redis_url)] = None
+    """redis://[user:password@]host:port/db, rediss:// (TLS) or unix://; unset starts an embedded server.
+    ROLLSTREAM_REDIS_URL wins over this key; a password here is never printed or written out."""
+    block_ms: Annotated[int, Field(ge=1)] = 2000
     """How long one XREADGROUP/XREAD blocks; kept well below socket_timeout_s."""
-    socket_timeout_s: float = 30.0
+    socket_timeout_s: Annotated[float, Field(gt=0.0)] = 30.0
     """Must exceed block_ms, or redis-py turns a blocking read into a TimeoutError after retries."""
-    read_count: int = 128
+    read_count: PositiveInt = 128
     """Entries fetched per XREADGROUP."""
-    heartbeat_s: float = 2.0
+    heartbeat_s: Annotated[float, Field(gt=0.0)] = 2.0
     """How often a worker refreshes its heartbeat; it is considered gone after 5 missed beats."""
 
 
-@dataclass
+@dataclass(config=SCHEMA)
 class RollstreamConfig:
-    exp_name: str = "frozen_lake"
-    seed: int = 42
+    """A whole experiment."""
+
+    exp_name: Annotated[str, AfterValidator(check_exp_name)] = "frozen_lake"
+    """Names the experiment: its Redis namespace rollstream:<exp_name> and, by default, its output dir."""
+    seed: Annotated[int, Field(ge=0, le=2**32 - 1)] = 42
+    """Seeds episodes (per group and episode), sampling and the trainer."""
     output_dir: str = "./output/${exp_name}"
+    """Checkpoints, weights, the resolved config.yaml and wandb files."""
     logging_dir: str = "${output_dir}/logs"
+    """Env-worker logs of `rollstream run`."""
     render_save_dir: str | None = None
     """When set, every episode saves one PNG per step under this dir."""
 
-    max_steps: int = 20
-    save_steps: int = 10000
-    logging_steps: int = 1
-    eval_steps: int = 0
+    max_steps: PositiveInt = 20
+    """Train steps; the run ends after the last."""
+    save_steps: PositiveInt = 10000
+    """Checkpoint every this many steps (and after the last)."""
+    logging_steps: PositiveInt = 1
+    """Log metrics every this many steps."""
+    eval_steps: Count = 0
     """Validate (val_env_manager, temperature 0) before every step divisible by this and after the last; 0: never."""
-    val_sampled_episodes: int = 1
-    """Validation also plays each held-out map this many times sampled (actor_infer.generating_args), as
-    `val_sampled/...`: what the training policy does, beside the greedy `val/...`. 0: greedy only."""
-    resume_from_checkpoint: Any = False
+    val_sampled_episodes: Count = 1
+    """Validation also plays each held-out map this many times sampled, as `val_sampled/...`; 0: greedy only."""
+    resume_from_checkpoint: Annotated[Any, AfterValidator(check_resume)] = False
+    """false: start fresh; true: the latest checkpoint under output_dir; or a checkpoint dir .../step_<n>."""
 
-    rollout_batch_size: int = 64
+    rollout_batch_size: Annotated[int, Field(ge=1, le=MAX_ENV_GROUPS * MAX_GROUP_SIZE)] = 64
     """Trajectories per train step; a multiple of train_env_manager.group_size."""
-    sequence_length: int = 2048
-    async_generation_ratio: int = 0
+    sequence_length: Annotated[int, Field(ge=1, le=10_000_000)] = 2048
+    """Most tokens of one trajectory (prompt and all turns); an episode that would exceed it ends (max_length)."""
+    async_generation_ratio: Count = 0
     """r: generation may run r policy versions ahead of training; 0 is synchronous."""
-    group_timeout_s: float = 600.0
+    group_timeout_s: Annotated[float, Field(gt=0.0)] = 600.0
     """An admitted group whose members have not all arrived after this long is dropped."""
 
     pretrain: str | None = None
-    adv_estimator: str = "grpo"
-    ppo_epochs: int = 1
-    gamma: float = 1.0
-    lambd: float = 1.0
-    pg_clip: float = 0.2
-    init_kl_coef: float = 0.0
+    """A local Hugging Face model directory (no hub download); needed by every strategy except scripted/stats_only."""
+    adv_estimator: AdvEstimator = "grpo"
+    """Advantages: grpo (group-normalised score), reinforce (batch-mean baseline), gigpo (plus step-level)."""
+    ppo_epochs: PositiveInt = 1
+    """Passes over each batch."""
+    gamma: Annotated[float, Field(ge=0.0, le=1.0)] = 1.0
+    """Discount of gigpo's step-level returns."""
+    pg_clip: Annotated[float, Field(gt=0.0)] = 0.2
+    """PPO clip range of the policy ratio."""
+    init_kl_coef: Annotated[float, Field(ge=0.0)] = 0.0
+    """k3 KL penalty to the initial weights (pretrain); 0 loads no reference model."""
     whiten_advantages: bool = False
-    entropy_loss_coef: float = 0.0
-    adv_std_normalize: str = "group"
+    """Zero mean, unit variance over the batch's response tokens."""
+    entropy_loss_coef: Annotated[float, Field(ge=0.0)] = 0.0
+    """Entropy bonus."""
+    adv_std_normalize: StdNormalize = "group"
     """grpo/gigpo: group divides by the group's std (floored at adv_std_floor); none keeps mean-only advantages."""
-    adv_std_floor: float = 1e-6
+    adv_std_floor: Annotated[float, Field(gt=0.0)] = 1e-6
     """Smallest std a group's advantages are divided by; raise it (e.g. 0.1) so a tiny reward spread stays tiny."""
-    adv_clip: float | None = None
+    adv_clip: Annotated[float, Field(gt=0.0)] | None = None
     """Clip advantages to [-adv_clip, adv_clip] after whitening; unset: no clipping."""
-    gigpo_step_weight: float = 1.0
+    gigpo_step_weight: Annotated[float, Field(ge=0.0)] = 1.0
     """gigpo: omega in A = A_episode + omega * A_step."""
-    old_logprobs: str = "engine"
-    """Anchor of the PPO ratio: engine (the behaviour policy's own logprobs: corrects async staleness) or
-    recompute (the trainer's weights before the step, with a truncated importance weight to the engine's)."""
-    is_ratio_cap: float = 3.0
-    """Truncation of the importance ratio: the dual clip for negative advantages; with recompute, the IS weight cap."""
+    old_logprobs: OldLogprobs = "engine"
+    """PPO ratio anchor: engine (the behaviour policy's logprobs) or recompute (trainer weights before the step)."""
+    is_ratio_cap: Annotated[float, Field(gt=1.0)] = 3.0
+    """Truncation of the importance ratio: the dual clip for negative advantages; with recompute, the IS cap."""
 
-    actor_train: WorkerConfig = field(
-        default_factory=lambda: WorkerConfig(strategy_args=StrategyArgs(strategy_name="stats_only"))
-    )
-    actor_infer: WorkerConfig = field(default_factory=WorkerConfig)
+    actor_train: TrainWorkerConfig = field(default_factory=TrainWorkerConfig)
+    """The trainer's role."""
+    actor_infer: InferWorkerConfig = field(default_factory=InferWorkerConfig)
+    """The env-workers' policy."""
     train_env_manager: EnvManagerConfig = field(default_factory=EnvManagerConfig)
+    """Train envs: tags, groups and their packing into workers."""
     val_env_manager: EnvManagerConfig = field(
-        default_factory=lambda: EnvManagerConfig(num_env_groups=8, group_size=1, max_env_num_per_worker=8)
-    )
-    custom_envs: dict[str, CustomEnvConfig] = field(
-        default_factory=lambda: {"FrozenLake": CustomEnvConfig()}
-    )
+        default_factory=lambda: EnvManagerConfig(num_env_groups=8, group_size=1, max_env_num_per_worker=8))
+    """Validation envs (group_size 1: validation is greedy)."""
+    custom_envs: dict[str, CustomEnvConfig] = field(default_factory=default_custom_envs)
+    """Tag -> env; the seeds' FrozenLake, SimpleSokoban, LargerSokoban, SokobanDifferentGridVocab exist by default."""
     redis: RedisConfig = field(default_factory=RedisConfig)
-    weights_transport: str = "filesystem"
-    """filesystem: producers read the trainer's weight directories in place (a shared filesystem across hosts);
-    redis: the trainer also copies each version into Redis in chunks and producers download it."""
-    weights_chunk_mb: float = 8.0
+    """Redis connection."""
+    weights_transport: WeightsTransport = "filesystem"
+    """filesystem: producers read the trainer's weight dirs in place; redis: chunks in Redis for hosts without one."""
+    weights_chunk_mb: Annotated[float, Field(gt=0.0)] = 8.0
     """Size of one weights chunk in Redis (weights_transport: redis)."""
     tiny_model: TinyModelConfig = field(default_factory=TinyModelConfig)
-    wandb_mode: str = "offline"
-    """online | offline | disabled: offline writes the run under output_dir for a later `wandb sync`."""
+    """The offline tiny model."""
+    wandb_mode: WandbMode = "offline"
+    """offline writes the run under output_dir for a later `wandb sync`."""
     wandb_project: str = "rollstream"
+    """wandb project name."""
     record_to: str | None = None
     """When set, the trainer appends every trajectory it trains on to this file (see `rollstream replay`)."""
 
@@ -213,154 +445,60 @@ class RollstreamConfig:
         """G: complete GRPO groups per train step."""
         return self.rollout_batch_size // self.train_env_manager.group_size
 
+    def reply_tokens(self, tag: str) -> int:
+        """Most tokens of one reply for `tag`: its max_tokens_per_step, capped by generating_args.max_new_tokens."""
+        cap = self.actor_infer.generating_args.max_new_tokens
+        per_step = self.custom_envs[tag].max_tokens_per_step
+        return per_step if cap is None else min(per_step, cap)
 
-INFER_STRATEGIES = ("scripted", "hf_infer", "vllm")
-TRAIN_STRATEGIES = ("stats_only", "torch_train", "deepspeed_train")
-ADV_ESTIMATORS = ("grpo", "reinforce", "gigpo")
+    @cached_property
+    def train_layout(self) -> Layout:
+        """Which tag each train group plays and which worker runs it; computed once."""
+        from rollstream.shared.layout import plan_layout
 
+        return plan_layout(self.train_env_manager, self.custom_envs, "train_env_manager")
 
-def load_config(path: str | os.PathLike[str] | None, overrides: Sequence[str] = ()) -> RollstreamConfig:
-    """YAML file (optional) merged over the schema, then `key=value` overrides, then validation."""
-    schema = OmegaConf.structured(RollstreamConfig)
-    try:
-        layers = [schema]
-        if path is not None:
-            if not Path(path).is_file():
-                raise ConfigError(f"config file {str(path)!r} does not exist")
-            layers.append(OmegaConf.load(path))
-        layers.append(OmegaConf.from_dotlist(list(overrides)))
-        merged = OmegaConf.merge(*layers)
-        OmegaConf.resolve(merged)
-        cfg: RollstreamConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
-    except OmegaConfBaseException as e:
-        raise ConfigError(_describe_omegaconf_error(e)) from None
-    validate(cfg)
-    return cfg
+    @cached_property
+    def val_layout(self) -> Layout:
+        """The same for validation."""
+        from rollstream.shared.layout import plan_layout
+
+        return plan_layout(self.val_env_manager, self.custom_envs, "val_env_manager")
 
 
-def _describe_omegaconf_error(e: OmegaConfBaseException) -> str:
-    key = getattr(e, "full_key", None)
-    first_line = str(e).splitlines()[0] if str(e) else type(e).__name__
-    if key:
-        return f"config key {key!r}: {first_line}"
-    return f"config: {first_line}"
+def load_config(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None,
+                overrides: Sequence[str] = ()) -> RollstreamConfig:
+    """YAML file(s) (optional, later over earlier) merged over the schema, then `key=value` overrides, then every
+    check; ROLL's keys are read as `rollstream.shared.roll_keys` says (`config_load.load` also returns the notices)."""
+    from rollstream.shared.config_load import load
 
-
-def to_yaml(cfg: RollstreamConfig) -> str:
-    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+    return load(path, overrides).cfg
 
 
 def validate(cfg: RollstreamConfig) -> None:
-    """Check what types alone cannot; the layout checks live in `rollstream.shared.layout`."""
-    from rollstream.shared.layout import plan_layout  # the layout owns the env-manager arithmetic
+    """Every check across keys (types and ranges were checked while loading)."""
+    from rollstream.shared.config_checks import check_config
 
-    _positive(cfg.max_steps, "max_steps", allow_zero=False)
-    _positive(cfg.rollout_batch_size, "rollout_batch_size", allow_zero=False)
-    _positive(cfg.save_steps, "save_steps", allow_zero=False)
-    _positive(cfg.logging_steps, "logging_steps", allow_zero=False)
-    _positive(cfg.eval_steps, "eval_steps", allow_zero=True)
-    _positive(cfg.val_sampled_episodes, "val_sampled_episodes", allow_zero=True)
-    _positive(cfg.ppo_epochs, "ppo_epochs", allow_zero=False)
-    if cfg.async_generation_ratio < 0:
-        raise ConfigError(
-            f"async_generation_ratio={cfg.async_generation_ratio}: must be an integer >= 0 "
-            "(0 = synchronous, 1 = generation may run one version ahead of training)"
-        )
-    if cfg.group_timeout_s <= 0:
-        raise ConfigError(f"group_timeout_s={cfg.group_timeout_s}: must be > 0 seconds")
-    group_size = cfg.train_env_manager.group_size
-    if group_size > 0 and cfg.rollout_batch_size % group_size:
-        raise ConfigError(
-            f"rollout_batch_size={cfg.rollout_batch_size} is not a multiple of "
-            f"train_env_manager.group_size={group_size}: a batch holds whole GRPO groups; "
-            f"try rollout_batch_size={max(1, cfg.rollout_batch_size // group_size) * group_size}"
-        )
-    _one_of(cfg.actor_infer.strategy_args.strategy_name, "actor_infer.strategy_args.strategy_name", INFER_STRATEGIES)
-    _one_of(cfg.actor_train.strategy_args.strategy_name, "actor_train.strategy_args.strategy_name", TRAIN_STRATEGIES)
-    _one_of(cfg.adv_estimator, "adv_estimator", ADV_ESTIMATORS)
-    _validate_learning(cfg)
-    _one_of(cfg.wandb_mode, "wandb_mode", ("online", "offline", "disabled"))
-    _one_of(cfg.weights_transport, "weights_transport", ("filesystem", "redis"))
-    _greater(cfg.weights_chunk_mb, "weights_chunk_mb", 0.0)
-    _one_of(cfg.actor_infer.model_args.dtype, "actor_infer.model_args.dtype", ("fp32", "bf16", "fp16"))
-    if cfg.tiny_model.build and not cfg.pretrain:
-        raise ConfigError("tiny_model.build=true needs pretrain: the directory to build the tiny model in")
-    if cfg.redis.block_ms / 1000 >= cfg.redis.socket_timeout_s:
-        raise ConfigError(
-            f"redis.block_ms={cfg.redis.block_ms} must stay below redis.socket_timeout_s="
-            f"{cfg.redis.socket_timeout_s} s, or a blocking read times out on the socket"
-        )
-    for tag, env in cfg.custom_envs.items():
-        _positive(env.max_actions_per_traj, f"custom_envs.{tag}.max_actions_per_traj", allow_zero=False)
-        _positive(env.max_tokens_per_step, f"custom_envs.{tag}.max_tokens_per_step", allow_zero=False)
-    plan_layout(cfg.train_env_manager, cfg.custom_envs, "train_env_manager")
-    if cfg.eval_steps:
-        plan_layout(cfg.val_env_manager, cfg.custom_envs, "val_env_manager")
-        if cfg.val_env_manager.group_size != 1:
-            raise ConfigError(
-                f"val_env_manager.group_size={cfg.val_env_manager.group_size}: validation runs at "
-                "temperature 0, so every member of a group would play the same; use 1"
-            )
-
-
-def _validate_learning(cfg: RollstreamConfig) -> None:
-    """Advantage and loss settings always; optimizer and model settings when a strategy trains a model."""
-    _one_of(cfg.adv_std_normalize, "adv_std_normalize", ("group", "none"))
-    _one_of(cfg.old_logprobs, "old_logprobs", ("engine", "recompute"))
-    _greater(cfg.adv_std_floor, "adv_std_floor", 0.0)
-    if cfg.adv_clip is not None:
-        _greater(cfg.adv_clip, "adv_clip", 0.0, "(or unset for no clipping)")
-    _greater(cfg.pg_clip, "pg_clip", 0.0)
-    _greater(cfg.is_ratio_cap, "is_ratio_cap", 1.0)
-    if not 0.0 <= cfg.gamma <= 1.0:
-        raise ConfigError(f"gamma={cfg.gamma}: must be in [0, 1]")
-    for key in ("init_kl_coef", "entropy_loss_coef", "gigpo_step_weight"):
-        if getattr(cfg, key) < 0:
-            raise ConfigError(f"{key}={getattr(cfg, key)}: must be >= 0")
-    if cfg.actor_train.strategy_args.strategy_name not in ("torch_train", "deepspeed_train"):
-        return
-    if not cfg.pretrain:
-        raise ConfigError("pretrain is unset: actor_train.strategy_args.strategy_name="
-                          f"{cfg.actor_train.strategy_args.strategy_name!r} trains the model in that directory")
-    args = cfg.actor_train.training_args
-    _greater(args.learning_rate, "actor_train.training_args.learning_rate", 0.0)
-    _positive(args.per_device_train_batch_size, "actor_train.training_args.per_device_train_batch_size",
-              allow_zero=False)
-    _positive(args.gradient_accumulation_steps, "actor_train.training_args.gradient_accumulation_steps",
-              allow_zero=False)
-    _positive(args.warmup_steps, "actor_train.training_args.warmup_steps", allow_zero=True)
-    _positive(args.max_tokens_per_microbatch, "actor_train.training_args.max_tokens_per_microbatch", allow_zero=True)
-    if args.max_grad_norm < 0 or args.weight_decay < 0:
-        raise ConfigError(f"actor_train.training_args.max_grad_norm={args.max_grad_norm} and weight_decay="
-                          f"{args.weight_decay}: both must be >= 0 (max_grad_norm 0 disables clipping)")
-    _one_of(args.lr_scheduler_type, "actor_train.training_args.lr_scheduler_type", ("constant", "linear", "cosine"))
-    _one_of(cfg.actor_train.model_args.dtype, "actor_train.model_args.dtype", ("fp32", "bf16"))
-
-
-def _greater(value: float, key: str, bound: float, hint: str = "") -> None:
-    if not value > bound:
-        raise ConfigError(f"{key}={value}: must be > {bound} {hint}".rstrip())
-
-
-def _positive(value: int, key: str, *, allow_zero: bool) -> None:
-    if value < 0 or (value == 0 and not allow_zero):
-        bound = ">= 0" if allow_zero else ">= 1"
-        raise ConfigError(f"{key}={value}: must be an integer {bound}")
-
-
-def _one_of(value: str, key: str, valid: Sequence[str]) -> None:
-    if value not in valid:
-        raise ConfigError(f"{key}={value!r}: must be one of {', '.join(valid)}")
+    check_config(cfg)  # its notices were logged when the config was loaded
 
 
 def as_dict(cfg: RollstreamConfig) -> dict[str, Any]:
-    """Plain containers, for logging the run's config (wandb) and for child processes."""
-    container = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
-    assert isinstance(container, dict)
-    return container  # type: ignore[return-value]
+    """Plain containers with the Redis password redacted: for wandb, `config show` and config.yaml."""
+    from pydantic import TypeAdapter
+
+    data: dict[str, Any] = TypeAdapter(RollstreamConfig).dump_python(cfg, mode="json")
+    if data["redis"]["url"]:
+        data["redis"]["url"] = redact_url(data["redis"]["url"])
+    return data
+
+
+def to_yaml(cfg: RollstreamConfig) -> str:
+    import yaml
+
+    return yaml.safe_dump(as_dict(cfg), sort_keys=False, allow_unicode=True)
 
 
 def dump_config(cfg: RollstreamConfig, path: Path) -> None:
-    """Write the resolved config, so child processes and later readers see exactly what ran."""
+    """Write the resolved config (password redacted: child processes get the URL from ROLLSTREAM_REDIS_URL)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(to_yaml(cfg))

@@ -121,8 +121,21 @@ def describe_layout(layout: Layout) -> str:
         f"workers: {layout.num_workers} (at most {layout.max_env_num_per_worker} envs each)",
         "groups per tag: " + ", ".join(f"{t}={n}" for t, n in layout.groups_per_tag().items()),
     ]
-    for rank in range(layout.num_workers):
+    shown = layout.num_workers if layout.num_workers <= 16 else 8  # thousands of lines would hide the rest
+    for rank in range(shown):
         mine = layout.groups_of(rank)
         listing = ", ".join(f"g{g.group_index}:{g.tag}" for g in mine)
         lines.append(f"  worker {rank}: {len(mine)} groups, {len(mine) * layout.group_size} envs [{listing}]")
+    if shown < layout.num_workers:
+        lines.append(f"  ... and {layout.num_workers - shown} more workers dealt the same way")
     return "\n".join(lines)
+
+
+def visible_devices(mapping: list[int] | None, rank: int, per_process: int) -> str | None:
+    """CUDA_VISIBLE_DEVICES of process `rank` of a role whose `device_mapping` is `mapping`: process k takes the
+    k-th slice of `per_process` ids (round robin when there are more processes than slices); None leaves the
+    variable alone (no mapping). The trainer is one process that takes the whole mapping (per_process = len)."""
+    if not mapping:
+        return None
+    slices = [mapping[i:i + per_process] for i in range(0, len(mapping) - per_process + 1, per_process)]
+    return ",".join(str(d) for d in slices[rank % len(slices)])

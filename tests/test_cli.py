@@ -23,7 +23,8 @@ def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
 
 def test_malformed_config_is_one_clear_line_and_exit_2(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
-    bad.write_text("rollout_batch_size: 48\ntrain_env_manager:\n  group_size: 3\n  max_env_num_per_worker: 16\n")
+    bad.write_text("actor_infer: {}\nrollout_batch_size: 48\ntrain_env_manager:\n  group_size: 3\n"
+                   "  max_env_num_per_worker: 16\n")
     proc = _cli("config", "show", str(bad))
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr

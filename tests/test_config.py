@@ -24,19 +24,19 @@ def test_overrides_apply_and_interpolate(tmp_path: Path) -> None:
     ("override", "message"),
     [
         ("async_generation_ratio=-1", "async_generation_ratio=-1: must be an integer >= 0"),
-        ("async_generation_ratio=0.5", "'async_generation_ratio'"),
+        ("async_generation_ratio=0.5", "async_generation_ratio=0.5: must be an integer"),
         ("rollout_batch_size=30", "rollout_batch_size=30 is not a multiple of train_env_manager.group_size=8"),
         ("train_env_manager.num_groups_partition=[5,2]", "sums to 7 but train_env_manager.num_env_groups=8"),
         ("train_env_manager.num_groups_partition=[8]", "has 1 entries but train_env_manager.tags has 2"),
         ("train_env_manager.tags=[FrozenLake,Nope]", "'Nope', which custom_envs does not define; known tags"),
         ("train_env_manager.max_env_num_per_worker=12", "max_env_num_per_worker=12 is not a multiple of"),
-        ("actor_infer.strategy_args.strategy_name=megatron", "must be one of scripted, hf_infer, vllm"),
+        ("actor_infer.strategy_args.strategy_name=megatron", "must be 'scripted', 'hf_infer' or 'vllm'"),
         ("redis.block_ms=60000", "must stay below redis.socket_timeout_s"),
-        ("weights_transport=s3", "weights_transport='s3': must be one of filesystem, redis"),
-        ("weights_chunk_mb=0", "weights_chunk_mb=0.0: must be > 0.0"),
+        ("weights_transport=s3", "weights_transport='s3': must be 'filesystem' or 'redis'"),
+        ("weights_chunk_mb=0", "weights_chunk_mb=0: must be > 0.0"),
         ("val_sampled_episodes=-1", "val_sampled_episodes=-1: must be an integer >= 0"),
-        ("max_steps=zero", "'max_steps'"),
-        ("no_such_key=1", "no_such_key"),
+        ("max_steps=zero", "max_steps='zero': must be an integer"),
+        ("no_such_key=1", "unknown key 'no_such_key'; valid keys: exp_name, seed,"),
     ],
 )
 def test_bad_values_name_key_value_and_what_is_valid(override: str, message: str) -> None:
@@ -58,3 +58,27 @@ def test_missing_file_is_a_config_error(tmp_path: Path) -> None:
 def test_validation_group_size_must_be_one() -> None:
     with pytest.raises(ConfigError, match="val_env_manager.group_size=2"):
         load_config(CONFIG, ["eval_steps=5", "val_env_manager.group_size=2", "val_env_manager.tags=[FrozenLake]"])
+
+
+def test_every_key_has_a_one_line_docstring_and_explain_prints_it(capsys: pytest.CaptureFixture[str]) -> None:
+    from dataclasses import fields, is_dataclass
+
+    from rollstream.cli import main
+    from rollstream.shared.config import RollstreamConfig
+    from rollstream.shared.config_checks import STRATEGY_OPTIONS
+    from rollstream.shared.config_docs import field_doc
+
+    assert main(["config", "show", "--explain"]) == 0
+    explained = capsys.readouterr().out
+    pending = [RollstreamConfig, *[o for o in STRATEGY_OPTIONS.values() if is_dataclass(o)]]
+    seen = set()
+    while pending:
+        cls = pending.pop()
+        seen.add(cls)
+        for f in fields(cls):
+            doc = field_doc(cls, f.name)
+            assert doc, f"{cls.__name__}.{f.name} has no docstring"
+            assert f"{f.name}: " in explained and doc in explained
+            annotation = cls.__pydantic_fields__[f.name].annotation
+            if is_dataclass(annotation) and annotation not in seen:
+                pending.append(annotation)

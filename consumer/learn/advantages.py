@@ -19,10 +19,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from rollstream.shared.config import AdvEstimator, StdNormalize, choices
 from rollstream.shared.schema import Trajectory
 
-ESTIMATORS = ("grpo", "reinforce", "gigpo")
-STD_NORMALIZE_MODES = ("group", "none")
+ESTIMATORS = choices(AdvEstimator)
+STD_NORMALIZE_MODES = choices(StdNormalize)
 
 TrajectoryAdvantage = float | np.ndarray
 """A float for the whole trajectory, or an array with one value per turn."""
@@ -30,9 +31,9 @@ TrajectoryAdvantage = float | np.ndarray
 
 @dataclass(frozen=True)
 class AdvantageSettings:
-    estimator: str = "grpo"
+    estimator: AdvEstimator = "grpo"
     """grpo | reinforce | gigpo."""
-    std_normalize: str = "group"
+    std_normalize: StdNormalize = "group"
     """group: (x - mean) / max(std, std_floor) within each group; none: x - mean only."""
     std_floor: float = 1e-6
     """Smallest std a group is divided by."""

@@ -53,11 +53,11 @@ from rollstream.consumer.learn.loss import (
 from rollstream.consumer.learn.strategy import TrainStrategy, causal_lm_logits, minibatch_size
 from rollstream.consumer.learn.tensors import Shard, TokenBatch, build_token_batch, plan_shards
 from rollstream.shared import atomic
-from rollstream.shared.config import RollstreamConfig
+from rollstream.shared.config import OldLogprobs, RollstreamConfig, choices
 
 log = logging.getLogger(__name__)
 
-OLD_LOGPROB_SOURCES = ("engine", "recompute")
+OLD_LOGPROB_SOURCES = choices(OldLogprobs)
 Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 """(input_ids, attention_mask, positions) -> logits; see `TrainStrategy.forward`."""
 
@@ -68,7 +68,7 @@ class UpdateSettings:
     """PPO clip range (`pg_clip`)."""
     ratio_cap: float = 3.0
     """Truncation of the importance ratio (`is_ratio_cap`), see the module docstring."""
-    old_logprobs: str = "engine"
+    old_logprobs: OldLogprobs = "engine"
     """engine | recompute."""
     kl_coef: float = 0.0
     """k3 KL penalty to the reference (initial) weights (`init_kl_coef`); 0 loads no reference."""
@@ -81,6 +81,9 @@ class UpdateSettings:
     """Rows per micro-batch when there is no token budget."""
     max_tokens_per_microbatch: int = 0
     """Token budget (rows x longest row) of a micro-batch; 0 uses `microbatch_rows`."""
+    logprob_rows: int | None = None
+    """Rows per no-grad forward of the old and reference logprobs (`actor_train.infer_batch_size`); None uses
+    `microbatch_rows`."""
 
     def __post_init__(self) -> None:
         if self.old_logprobs not in OLD_LOGPROB_SOURCES:
@@ -91,7 +94,7 @@ class UpdateSettings:
         args = cfg.actor_train.training_args
         return cls(cfg.pg_clip, cfg.is_ratio_cap, cfg.old_logprobs, cfg.init_kl_coef, cfg.entropy_loss_coef,
                    cfg.ppo_epochs, minibatch_size(cfg), args.per_device_train_batch_size,
-                   args.max_tokens_per_microbatch)
+                   args.max_tokens_per_microbatch, cfg.actor_train.infer_batch_size)
 
 
 def advantage_settings(cfg: RollstreamConfig) -> AdvantageSettings:
@@ -332,7 +335,7 @@ def plan_update(tokens: TokenBatch, settings: UpdateSettings, generator: torch.G
     """Every rank's shard of one update: `settings.minibatch_size` rows per optimizer step over all ranks."""
     return plan_shards(tokens, world_size, epochs=settings.ppo_epochs, minibatch_size=settings.minibatch_size,
                        generator=generator, max_tokens=settings.max_tokens_per_microbatch,
-                       max_rows=settings.microbatch_rows)
+                       max_rows=settings.microbatch_rows, logprob_rows=settings.logprob_rows)
 
 
 def run_shard(strategy: TrainStrategy, shard: Shard, settings: UpdateSettings,

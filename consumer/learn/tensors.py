@@ -191,7 +191,8 @@ class Shard:
 
 
 def plan_shards(tokens: TokenBatch, world_size: int, *, epochs: int, minibatch_size: int,
-                generator: torch.Generator, max_tokens: int, max_rows: int) -> list[Shard]:
+                generator: torch.Generator, max_tokens: int, max_rows: int,
+                logprob_rows: int | None = None) -> list[Shard]:
     """The whole update of one train step, split over `world_size` ranks.
 
     Mini-batches are drawn from the whole batch exactly as in one process (same generator draws), then each is
@@ -213,8 +214,11 @@ def plan_shards(tokens: TokenBatch, world_size: int, *, epochs: int, minibatch_s
                      for part in parts]
             global_steps.append((micro, normalizer))
     rows = [sorted(a) for a in assigned]  # every epoch deals every row: one process gets them all
-    logprob_micro = [microbatch_indices(lengths, torch.tensor(r, dtype=torch.long), max_tokens=max_tokens,
-                                        max_rows=max_rows) if r else [] for r in rows]
+    # The frozen (no-grad) forwards keep no activations for backward: `logprob_rows` (ROLL's infer_batch_size)
+    # sizes them by rows alone; unset, they are cut like the training micro-batches.
+    logprob_micro = [microbatch_indices(lengths, torch.tensor(r, dtype=torch.long),
+                                        max_tokens=0 if logprob_rows else max_tokens,
+                                        max_rows=logprob_rows or max_rows) if r else [] for r in rows]
     num_logprob = max(len(m) for m in logprob_micro)
     shards = []
     for rank in range(world_size):

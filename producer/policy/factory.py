@@ -26,6 +26,8 @@ def make_policy(cfg: RollstreamConfig) -> Policy:
     if strategy.strategy_name == "hf_infer":
         from rollstream.producer.policy.hf import HFPolicy
 
+        if cfg.actor_infer.infer_batch_size is not None:  # ROLL's key for the same thing; strategy_config wins
+            options.setdefault("max_batch_size", cfg.actor_infer.infer_batch_size)
         return HFPolicy(cfg.pretrain, seed=cfg.seed, **_checked(HFPolicy, options))
     from rollstream.producer.policy.vllm import VLLMPolicy
 

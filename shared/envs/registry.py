@@ -9,53 +9,24 @@ The constructor is called as `Class(**env_config, max_actions_per_traj=...)`.
 
 from __future__ import annotations
 
-import copy
 import importlib
 import inspect
 from collections.abc import Mapping
 from functools import reduce
 from typing import Any
 
-from rollstream.shared.config import CustomEnvConfig
+from rollstream.shared.config import PRESETS, XSB_VOCAB, CustomEnvConfig, default_custom_envs
 from rollstream.shared.envs.base import TextEnv, check_positive_int
 from rollstream.shared.envs.frozen_lake import FrozenLakeEnv
 from rollstream.shared.envs.sokoban import SokobanEnv
 
+__all__ = ["PRESETS", "XSB_VOCAB", "default_custom_envs", "known_env_types", "make_env", "resolve_env_type"]
+
 ENV_TYPES: dict[str, type[TextEnv]] = {"frozen_lake": FrozenLakeEnv, "sokoban": SokobanEnv}
-
-XSB_VOCAB = {
-    "wall": "#",
-    "empty": "-",
-    "target": ".",
-    "box": "$",
-    "box_on_target": "*",
-    "player": "@",
-    "player_on_target": "+",
-}
-"""The classic Sokoban file notation (with - for floor, so no cell is a space)."""
-
-PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
-    "FrozenLake": ("frozen_lake", {"size": 4, "p": 0.8, "is_slippery": False}),
-    "SimpleSokoban": ("sokoban", {"dim_room": [6, 6], "num_boxes": 1, "search_depth": 30}),
-    "LargerSokoban": ("sokoban", {"dim_room": [10, 10], "num_boxes": 2, "search_depth": 30}),
-    "SokobanDifferentGridVocab": (
-        "sokoban",
-        {"dim_room": [6, 6], "num_boxes": 1, "search_depth": 30, "grid_vocab": XSB_VOCAB},
-    ),
-}
-"""The default tags: tag -> (env_type, env_config)."""
 
 
 def known_env_types() -> list[str]:
     return sorted(ENV_TYPES)
-
-
-def default_custom_envs() -> dict[str, CustomEnvConfig]:
-    """Fresh `custom_envs` entries for the default tags (other fields at their CustomEnvConfig defaults)."""
-    return {
-        tag: CustomEnvConfig(env_type=env_type, env_config=copy.deepcopy(env_config))
-        for tag, (env_type, env_config) in PRESETS.items()
-    }
 
 
 def resolve_env_type(env_type: str) -> type[TextEnv]:

@@ -17,12 +17,12 @@ def test_defaults_load_without_a_model() -> None:
 
 
 @pytest.mark.parametrize(("override", "message"), [
-    ("old_logprobs=trainer", "old_logprobs='trainer': must be one of engine, recompute"),
-    ("adv_std_normalize=batch", "adv_std_normalize='batch': must be one of group, none"),
-    ("adv_std_floor=0", "adv_std_floor=0.0: must be > 0"),
-    ("adv_clip=-1", "adv_clip=-1.0: must be > 0"),
-    ("is_ratio_cap=1", "is_ratio_cap=1.0: must be > 1"),
-    ("gamma=1.5", "gamma=1.5: must be in"),
+    ("old_logprobs=trainer", "old_logprobs='trainer': must be 'engine' or 'recompute'"),
+    ("adv_std_normalize=batch", "adv_std_normalize='batch': must be 'group' or 'none'"),
+    ("adv_std_floor=0", "adv_std_floor=0: must be > 0"),
+    ("adv_clip=-1", "adv_clip=-1: must be > 0"),
+    ("is_ratio_cap=1", "is_ratio_cap=1: must be > 1"),
+    ("gamma=1.5", "gamma=1.5: must be <= 1"),
     ("init_kl_coef=-0.1", "init_kl_coef=-0.1: must be >= 0"),
 ])
 def test_bad_learning_values_are_named(override: str, message: str) -> None:
@@ -31,10 +31,11 @@ def test_bad_learning_values_are_named(override: str, message: str) -> None:
 
 
 @pytest.mark.parametrize(("override", "message"), [
-    ("actor_train.training_args.lr_scheduler_type=polynomial", "lr_scheduler_type='polynomial': must be one of"),
-    ("actor_train.model_args.dtype=fp16", "dtype='fp16': must be one of fp32, bf16"),
-    ("actor_train.training_args.per_device_train_batch_size=0", "per_device_train_batch_size=0: must be"),
-    ("actor_train.training_args.max_grad_norm=-1", "max_grad_norm=-1.0"),
+    ("actor_train.training_args.lr_scheduler_type=polynomial",
+     "lr_scheduler_type='polynomial': must be 'constant', 'linear' or 'cosine'"),
+    ("actor_train.model_args.dtype=fp16", "dtype='fp16': must be 'fp32' or 'bf16'"),
+    ("actor_train.training_args.per_device_train_batch_size=0", "per_device_train_batch_size=0: must be an integer"),
+    ("actor_train.training_args.max_grad_norm=-1", "max_grad_norm=-1: must be >= 0"),
 ])
 def test_bad_training_values_are_named(tmp_path: Path, override: str, message: str) -> None:
     base = [f"pretrain={tmp_path}", "actor_train.strategy_args.strategy_name=torch_train"]
@@ -45,3 +46,13 @@ def test_bad_training_values_are_named(tmp_path: Path, override: str, message: s
 def test_a_training_strategy_needs_pretrain() -> None:
     with pytest.raises(ConfigError, match="pretrain is unset"):
         load_config(None, ["actor_train.strategy_args.strategy_name=deepspeed_train"])
+
+
+def test_actor_infer_infer_batch_size_sizes_hf_infer_batches(tiny_model: Path) -> None:
+    from rollstream.producer.policy.factory import make_policy
+
+    cfg = load_config(None, [f"pretrain={tiny_model}", "actor_infer.strategy_args.strategy_name=hf_infer",
+                             "actor_infer.infer_batch_size=3"])
+    assert make_policy(cfg).max_batch_size == 3  # type: ignore[attr-defined]
+    cfg = load_config(None, [f"pretrain={tiny_model}", "actor_infer.strategy_args.strategy_name=hf_infer"])
+    assert make_policy(cfg).max_batch_size == 64  # type: ignore[attr-defined]

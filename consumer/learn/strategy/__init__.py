@@ -13,6 +13,7 @@ over its share of a batch (see `deepspeed_strategy` for what that path still nee
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from collections.abc import Callable
@@ -23,28 +24,24 @@ from typing import Any, Protocol
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel, get_scheduler
 
-from rollstream.shared.config import ConfigError, RollstreamConfig
-
-TRAIN_DTYPES = ("fp32", "bf16")
-LR_SCHEDULERS = ("constant", "linear", "cosine")
+from rollstream.shared.config import ConfigError, LrScheduler, RollstreamConfig, TrainDtype
+from rollstream.shared.config_checks import strategy_options
 
 
 @dataclass(frozen=True)
 class ModelSettings:
     model_dir: str
     """A Hugging Face directory (`pretrain`)."""
-    dtype: str = "fp32"
+    dtype: TrainDtype = "fp32"
     """fp32, or bf16 (mixed precision: fp32 master weights, bf16 compute)."""
     attn_implementation: str = "sdpa"
     gradient_checkpointing: bool = False
 
     @classmethod
     def from_config(cls, cfg: RollstreamConfig) -> ModelSettings:
-        if not cfg.pretrain:
+        if not cfg.pretrain:  # checked at load time; a hand-built config may still lack it
             raise ConfigError("pretrain is unset: a training strategy needs the model directory to start from")
         args = cfg.actor_train.model_args
-        if args.dtype not in TRAIN_DTYPES:
-            raise ConfigError(f"actor_train.model_args.dtype={args.dtype!r}: must be one of {', '.join(TRAIN_DTYPES)}")
         return cls(cfg.pretrain, args.dtype, args.attn_implementation, not args.disable_gradient_checkpointing)
 
 
@@ -57,16 +54,13 @@ class OptimSettings:
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this; 0 disables clipping (the norm is still reported)."""
     warmup_steps: int = 0
-    lr_scheduler_type: str = "constant"
+    lr_scheduler_type: LrScheduler = "constant"
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
 
     @classmethod
     def from_config(cls, cfg: RollstreamConfig) -> OptimSettings:
         args = cfg.actor_train.training_args
-        if args.lr_scheduler_type not in LR_SCHEDULERS:
-            raise ConfigError(f"actor_train.training_args.lr_scheduler_type={args.lr_scheduler_type!r}: "
-                              f"must be one of {', '.join(LR_SCHEDULERS)}")
         total = cfg.max_steps * cfg.ppo_epochs * optimizer_steps_per_epoch(cfg)
         return cls(args.learning_rate, total, args.weight_decay, args.max_grad_norm, args.warmup_steps,
                    args.lr_scheduler_type)
@@ -174,23 +168,15 @@ class TrainStrategy(Protocol):
 def make_strategy(cfg: RollstreamConfig) -> TrainStrategy:
     """The strategy `actor_train.strategy_args.strategy_name` names, set up from the config."""
     name = cfg.actor_train.strategy_args.strategy_name
-    options = dict(cfg.actor_train.strategy_args.strategy_config)
+    options = dataclasses.asdict(strategy_options(cfg.actor_train.strategy_args, "actor_train"))
     model, optim = ModelSettings.from_config(cfg), OptimSettings.from_config(cfg)
     if name == "torch_train":
         from rollstream.consumer.learn.strategy.torch_strategy import TorchStrategy
 
-        return TorchStrategy(model, optim, **_options(name, options, ("device", "cpu_threads")))
+        return TorchStrategy(model, optim, **options)
     if name == "deepspeed_train":
         from rollstream.consumer.learn.strategy.deepspeed_strategy import DeepSpeedStrategy
 
-        return DeepSpeedStrategy(model, optim, **_options(name, options, ("zero_stage",)),
+        return DeepSpeedStrategy(model, optim, **options,
                                  micro_batch_size=cfg.actor_train.training_args.per_device_train_batch_size)
     raise ConfigError(f"actor_train.strategy_args.strategy_name={name!r}: must be torch_train or deepspeed_train")
-
-
-def _options(name: str, options: dict[str, Any], known: tuple[str, ...]) -> dict[str, Any]:
-    unknown = sorted(set(options) - set(known))
-    if unknown:
-        raise ConfigError(f"actor_train.strategy_args.strategy_config: unknown key(s) {', '.join(unknown)} for "
-                          f"{name}; valid: {', '.join(known)}")
-    return options
