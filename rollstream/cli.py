@@ -177,6 +177,12 @@ def _config_show(args: argparse.Namespace) -> int:
     print(to_yaml(cfg))
     print("# train_env_manager layout")
     print(describe_layout(plan_layout(cfg.train_env_manager, cfg.custom_envs, "train_env_manager")))
+    if cfg.hosts.machines:
+        from rollstream.shared.hosts import describe_hosts, plan_hosts
+
+        print("# hosts")
+        print(describe_hosts(plan_hosts(cfg.hosts, plan_layout(cfg.train_env_manager, cfg.custom_envs,
+                                                                "train_env_manager").num_workers)))
     if cfg.eval_steps:
         print("# val_env_manager layout")
         print(describe_layout(plan_layout(cfg.val_env_manager, cfg.custom_envs, "val_env_manager")))

@@ -14,6 +14,8 @@ from typing import Any, Sequence
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from rollstream.shared.hosts import HostsConfig, plan_hosts
+
 
 class ConfigError(ValueError):
     """A config value is wrong; the message names the key, the value and what is valid."""
@@ -206,6 +208,8 @@ class RollstreamConfig:
     wandb_project: str = "rollstream"
     record_to: str | None = None
     """When set, the trainer appends every trajectory it trains on to this file (see `rollstream replay`)."""
+    hosts: HostsConfig = field(default_factory=HostsConfig)
+    """Which host runs Redis, the trainer and which env-workers (`rollstream deploy supervisor`); see shared/hosts.py."""
 
     @property
     def groups_per_batch(self) -> int:
@@ -292,7 +296,8 @@ def validate(cfg: RollstreamConfig) -> None:
     for tag, env in cfg.custom_envs.items():
         _positive(env.max_actions_per_traj, f"custom_envs.{tag}.max_actions_per_traj", allow_zero=False)
         _positive(env.max_tokens_per_step, f"custom_envs.{tag}.max_tokens_per_step", allow_zero=False)
-    plan_layout(cfg.train_env_manager, cfg.custom_envs, "train_env_manager")
+    layout = plan_layout(cfg.train_env_manager, cfg.custom_envs, "train_env_manager")
+    plan_hosts(cfg.hosts, layout.num_workers)
     if cfg.eval_steps:
         plan_layout(cfg.val_env_manager, cfg.custom_envs, "val_env_manager")
         if cfg.val_env_manager.group_size != 1:
