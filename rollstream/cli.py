@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 from rollstream.shared.codec import CodecError
@@ -28,16 +30,42 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname).1s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    started = time.monotonic()
     try:
-        return int(args.func(args) or 0)
+        if args.env_file:
+            _load_env_file(args.env_file)
+        code = int(args.func(args) or 0)
     except (ConfigError, RedisUnavailable, CodecError, FileNotFoundError) as e:
         print(f"rollstream: error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    if code == 0 and args.min_uptime:
+        # supervisord counts an exit within startsecs as a failed start even with exit code 0; a producer
+        # that finds the experiment finished must end as EXITED, not as FATAL after retries.
+        time.sleep(max(0.0, args.min_uptime - (time.monotonic() - started)))
+    return code
+
+
+def _load_env_file(path: str) -> None:
+    """KEY=VALUE lines (from `rollstream deploy supervisor`) into this process's environment."""
+    try:
+        lines = open(path).read().splitlines()
+    except OSError as e:
+        raise ConfigError(f"--env-file {path}: {e.strerror}") from None
+    for n, line in enumerate(lines, 1):
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        key, sep, value = line.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--env-file {path} line {n}: expected KEY=VALUE")
+        os.environ[key.strip()] = value
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rollstream", description="Asynchronous agentic RL on Redis Streams.")
     parser.add_argument("-v", "--verbose", action="store_true")
+    parser.add_argument("--env-file", metavar="PATH", help="load KEY=VALUE lines into the environment first")
+    parser.add_argument("--min-uptime", type=float, default=0.0, metavar="S",
+                        help="on success, exit no sooner than S seconds after start (supervisord's startsecs)")
     sub = parser.add_subparsers(required=True, metavar="COMMAND")
 
     def command(name: str, func: Callable[[argparse.Namespace], int | None], help: str,
@@ -60,6 +88,13 @@ def _parser() -> argparse.ArgumentParser:
                    help="burst mode: each group plays this many episodes, then the worker exits")
     p = command("trainer", _trainer, "run the trainer")
     p.add_argument("--consumer", default="trainer-0", help="stable consumer name in the stream's group")
+    p = command("deploy", _deploy, "write one host's supervisord.conf from the config's hosts section "
+                "(deploy supervisor CONFIG --host NAME --out DIR)", config="none")
+    p.add_argument("target", choices=["supervisor"])
+    p.add_argument("config", help="YAML config file")
+    p.add_argument("overrides", nargs="*", metavar="key=value")
+    p.add_argument("--host", required=True, help="a host of hosts.machines")
+    p.add_argument("--out", required=True, help="directory for supervisord.conf and its files")
     p = command("config", _config_show, "print the resolved config and the env layout (config show ...)",
                 config="none")
     p.add_argument("action", choices=["show"])
@@ -151,6 +186,18 @@ def _trainer(args: argparse.Namespace) -> int:
     log.info("trainer done: version %d, groups %s%s", summary.last_version, summary.counters,
              f", curves in {summary.plot}" if summary.plot else "")
     return 0 if summary.last_version >= cfg.max_steps or stop.is_set() else 1
+
+
+def _deploy(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from rollstream.deploy import write_supervisor
+
+    conf = write_supervisor(_load(args), args.host, Path(args.out))
+    print(f"wrote {conf}\n  supervisord -c {conf}\n  supervisorctl -c {conf} start producers:*"
+          + (f"\n  supervisorctl -c {conf} start trainer" if "[program:trainer]" in conf.read_text()
+             else ""))
+    return 0
 
 
 def _debug_env(args: argparse.Namespace) -> int:
