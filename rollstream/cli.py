@@ -41,8 +41,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     if code == 0 and args.min_uptime:
         # supervisord counts an exit within startsecs as a failed start even with exit code 0; a producer
         # that finds the experiment finished must end as EXITED, not as FATAL after retries.
-        time.sleep(max(0.0, args.min_uptime - (time.monotonic() - started)))
+        time.sleep(max(0.0, args.min_uptime - _process_age(time.monotonic() - started)))
     return code
+
+
+def _process_age(fallback: float) -> float:
+    """Seconds since this process was spawned (Linux /proc; imports included), else `fallback`."""
+    try:
+        start_ticks = int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[19])
+        uptime = float(open("/proc/uptime").read().split()[0])
+        return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return fallback
 
 
 def _load_env_file(path: str) -> None:
