@@ -73,7 +73,8 @@ class Supervisor:
 def hosts(tmp_path: Path, redis_server) -> Iterator[tuple[Supervisor, Supervisor]]:
     overrides = [f"output_dir={tmp_path / 'out'}", "wandb_mode=disabled", "hosts.redis.host=null",
                  f"redis.url={redis_server.url}", "redis.block_ms=200", "redis.heartbeat_s=0.5",
-                 f"max_steps={MAX_STEPS}", "group_timeout_s=600", "async_generation_ratio=0", f"record_to={tmp_path / 'trained.msgpack'}",
+                 f"max_steps={MAX_STEPS}", "group_timeout_s=600", "async_generation_ratio=0",
+                 f"record_to={tmp_path / 'trained.msgpack'}",
                  "actor_infer.strategy_args.strategy_config.delay_s=0.02"]
     env = os.environ | {"PYTHONPATH": str(REPO)}  # the programs import this source tree
     env.pop("ROLLSTREAM_REDIS_URL", None)
