@@ -195,7 +195,7 @@ class Ledger:
         Gone: its rank's heartbeat expired, or holds another incarnation (the worker restarted). Owner records
         of groups that already ended are deleted here, so the owners hash stays as small as the in-flight set.
         """
-        owners = {g.decode(): v.decode().split(" ", 1) for g, v in self.client.hgetall(self.keys.owners).items()}
+        owners = {_text(g): _text(v).split(" ", 1) for g, v in self.client.hgetall(self.keys.owners).items()}
         if not owners:
             return {}
         in_flight = self.inflight_of(list(owners))
@@ -207,7 +207,7 @@ class Ledger:
         with self.client.pipeline(transaction=False) as pipe:
             for rank in ranks:
                 pipe.hget(self.keys.worker(rank), "incarnation")
-            beating = {rank: (v.decode() if v else None) for rank, v in zip(ranks, pipe.execute())}
+            beating = {rank: (_text(v) if v else None) for rank, v in zip(ranks, pipe.execute())}
         return {g: int(rank) for g, (rank, inc) in live.items() if beating[int(rank)] != inc}
 
     def finish_experiment(self, version: int) -> int:
@@ -241,6 +241,10 @@ class Ledger:
         if added:
             self.client.hincrby(self.keys.counters, "admitted", added)
         return added
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
 
 
 def read_counters(client: redis.Redis, keys: Keys) -> dict[str, int]:
