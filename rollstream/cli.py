@@ -153,9 +153,11 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _require_url(cfg: RollstreamConfig) -> str:
-    url = resolve_url(cfg.redis)
+    from rollstream.shared.hosts import hosts_redis_url
+
+    url = resolve_url(cfg.redis) or hosts_redis_url(cfg.hosts)
     if url is None:
-        raise ConfigError("no Redis to connect to: set redis.url or ROLLSTREAM_REDIS_URL "
+        raise ConfigError("no Redis to connect to: set redis.url or ROLLSTREAM_REDIS_URL, or hosts.redis.host "
                           "(only `rollstream run` starts an embedded server)")
     return url
 
@@ -250,7 +252,9 @@ def _target(args: argparse.Namespace) -> tuple[RollstreamConfig, str]:
     cfg = load_config(args.config, args.overrides or ()) if args.config else RollstreamConfig()
     if args.exp:
         cfg.exp_name = args.exp
-    url = args.redis or resolve_url(cfg.redis)
+    from rollstream.shared.hosts import hosts_redis_url
+
+    url = args.redis or resolve_url(cfg.redis) or hosts_redis_url(cfg.hosts)
     if url is None:
         raise ConfigError("which Redis? pass --redis URL, set ROLLSTREAM_REDIS_URL, or give a config with redis.url")
     return cfg, url

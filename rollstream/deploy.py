@@ -24,7 +24,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from rollstream.shared.config import ConfigError, RollstreamConfig, to_yaml
-from rollstream.shared.hosts import HostRole, plan_hosts, role_of
+from rollstream.shared.hosts import HostRole, hosts_redis_url, plan_hosts, role_of
 from rollstream.shared.layout import plan_layout
 from rollstream.shared.redis_io import URL_ENV, resolve_url
 
@@ -113,14 +113,12 @@ def _quote(arg: str) -> str:
     return f'"{arg}"' if any(c.isspace() for c in arg) else arg
 
 
-def program_url(cfg: RollstreamConfig, redis_host: HostRole | None, port: int) -> str:
-    url = resolve_url(cfg.redis)
-    if url:
-        return url
-    if redis_host is None:
+def program_url(cfg: RollstreamConfig) -> str:
+    url = resolve_url(cfg.redis) or hosts_redis_url(cfg.hosts)
+    if url is None:
         raise ConfigError("hosts.redis.host is unset and there is no redis.url or "
                           f"${URL_ENV}: say which host runs Redis, or where an external Redis is")
-    return f"redis://{redis_host.address}:{port}/0"
+    return url
 
 
 def env_file_text(values: dict[str, str]) -> str:
@@ -148,8 +146,7 @@ def write_supervisor(cfg: RollstreamConfig, host: str, out: Path) -> Path:
     layout = plan_layout(cfg.train_env_manager, cfg.custom_envs, "train_env_manager")
     roles = plan_hosts(cfg.hosts, layout.num_workers)
     role = role_of(roles, host)
-    redis_role = roles.get(cfg.hosts.redis.host or "")
-    url = program_url(cfg, redis_role, cfg.hosts.redis.port)
+    url = program_url(cfg)
     out = out.resolve()
     cwd = Path.cwd()
     log_dir = (Path(cfg.logging_dir) / role.name).resolve()

@@ -158,6 +158,13 @@ def _rank_list(value: Any, key: str, num_workers: int) -> list[int]:
     return list(value)
 
 
+def hosts_redis_url(hosts: HostsConfig) -> str | None:
+    """redis://<address>:<port>/0 of the host that runs Redis, or None (no such host; no password: that comes
+    with redis.url or ROLLSTREAM_REDIS_URL, which win over this)."""
+    machine = hosts.machines.get(hosts.redis.host or "")
+    return None if machine is None else f"redis://{machine.address}:{hosts.redis.port}/0"
+
+
 def describe_hosts(roles: dict[str, HostRole]) -> str:
     """A few readable lines for `rollstream config show`."""
     lines = []

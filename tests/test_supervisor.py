@@ -111,6 +111,15 @@ def test_generated_files_keep_the_secret_private(tmp_path: Path) -> None:
     assert "requirepass hunter2-secret" in (tmp_path / "a" / "redis.conf").read_text()
     for path in (tmp_path / "a").iterdir():
         assert stat.S_IMODE(path.stat().st_mode) & 0o077 == 0, path  # nothing readable by group or others
+    on_b = subprocess.run([sys.executable, "-m", "rollstream", "deploy", "supervisor", str(TWO_HOSTS),
+                           "hosts.trainer.host=host-b", "hosts.trainer.ranks=2", f"output_dir={tmp_path / 'out'}",
+                           "--host", "host-b", "--out", str(tmp_path / "b")], capture_output=True, text=True, timeout=60,
+                          env={k: v for k, v in os.environ.items() if k != "ROLLSTREAM_REDIS_URL"})
+    assert on_b.returncode == 0, on_b.stderr
+    conf_b = (tmp_path / "b" / "supervisord.conf").read_text()
+    assert "-m torch.distributed.run --nproc_per_node 2 --module rollstream --env-file" in conf_b
+    assert "[program:redis]" not in conf_b and "programs=producer-2,producer-3" in conf_b
+    assert "ROLLSTREAM_REDIS_URL=redis://127.0.0.1:6379/0" in (tmp_path / "b" / "env").read_text()  # host-a's
 
 
 def test_two_hosts_under_supervisord_train_survive_stop_and_kill_and_end_cleanly(
