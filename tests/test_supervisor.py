@@ -113,8 +113,8 @@ def test_generated_files_keep_the_secret_private(tmp_path: Path) -> None:
         assert stat.S_IMODE(path.stat().st_mode) & 0o077 == 0, path  # nothing readable by group or others
     on_b = subprocess.run([sys.executable, "-m", "rollstream", "deploy", "supervisor", str(TWO_HOSTS),
                            "hosts.trainer.host=host-b", "hosts.trainer.ranks=2", f"output_dir={tmp_path / 'out'}",
-                           "--host", "host-b", "--out", str(tmp_path / "b")], capture_output=True, text=True, timeout=60,
-                          env={k: v for k, v in os.environ.items() if k != "ROLLSTREAM_REDIS_URL"})
+                           "--host", "host-b", "--out", str(tmp_path / "b")], capture_output=True, text=True,
+                          timeout=60, env={k: v for k, v in os.environ.items() if k != "ROLLSTREAM_REDIS_URL"})
     assert on_b.returncode == 0, on_b.stderr
     conf_b = (tmp_path / "b" / "supervisord.conf").read_text()
     assert "-m torch.distributed.run --nproc_per_node 2 --module rollstream --env-file" in conf_b
