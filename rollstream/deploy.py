@@ -74,12 +74,13 @@ def programs(role: HostRole, python: str, conf_dir: Path, redis_server: str | No
 def render_supervisord(role: HostRole, progs: list[Program], conf_dir: Path, log_dir: Path, cwd: Path,
                        exp_name: str) -> str:
     """The supervisord.conf text. Pure."""
+    # umask 027: logs and outputs readable by the group, never by others; the secret files are 0600 regardless
     sections: list[tuple[str, dict[str, str]]] = [
         ("unix_http_server", {"file": str(conf_dir / "supervisor.sock"), "chmod": "0700"}),
         ("supervisord", {"logfile": str(log_dir / "supervisord.log"), "logfile_maxbytes": LOG_MAX,
                          "logfile_backups": str(LOG_BACKUPS), "loglevel": "info",
                          "pidfile": str(conf_dir / "supervisord.pid"), "childlogdir": str(log_dir),
-                         "identifier": f"rollstream-{exp_name}-{role.name}", "umask": "077"}),
+                         "identifier": f"rollstream-{exp_name}-{role.name}", "umask": "027"}),
         ("rpcinterface:supervisor", {"supervisor.rpcinterface_factory":
                                      "supervisor.rpcinterface:make_main_rpcinterface"}),
         ("supervisorctl", {"serverurl": f"unix://{conf_dir / 'supervisor.sock'}"}),

@@ -63,6 +63,16 @@ class Supervisor:
         rows = [line.split() for line in self.ctl("status").splitlines() if line.strip()]
         return {row[0]: row[1] for row in rows}
 
+    def kill(self) -> None:
+        """Only when a test failed before its own shutdown: supervisord and its children, kill -9."""
+        if self.process.poll() is None:
+            for p in self.tree():  # supervisord first, so that it restarts nothing
+                try:
+                    p.kill()
+                except psutil.NoSuchProcess:
+                    pass
+        self.process.wait()
+
     def tree(self) -> list[psutil.Process]:
         """supervisord and every process under it, engine children included."""
         me = psutil.Process(self.process.pid)
@@ -89,11 +99,7 @@ def hosts(tmp_path: Path, redis_server) -> Iterator[tuple[Supervisor, Supervisor
         yield started[0], started[1]
     finally:
         for s in started:
-            if s.process.poll() is None:
-                s.process.kill()  # only reached when a test failed before its own shutdown
-                for p in s.tree()[1:] if s.process.poll() is None else ():
-                    p.kill()
-                s.process.wait()
+            s.kill()
 
 
 def test_generated_files_keep_the_secret_private(tmp_path: Path) -> None:
@@ -178,3 +184,28 @@ def test_two_hosts_under_supervisord_train_survive_stop_and_kill_and_end_cleanly
     a.process.wait(60)
     b.process.wait(60)
     _wait(lambda: not [p for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE], "no leftovers", 30)
+
+
+def test_the_redis_host_runs_redis_from_deploy_conf_with_the_password(tmp_path: Path) -> None:
+    from rollstream.shared.embedded import free_port
+
+    port = free_port()
+    url = f"redis://:pw-{port}@127.0.0.1:{port}/0"
+    subprocess.run([sys.executable, "-m", "rollstream", "deploy", "supervisor", str(TWO_HOSTS), f"redis.url={url}",
+                    f"output_dir={tmp_path / 'out'}", "--host", "host-a", "--out", str(tmp_path / "a")],
+                   check=True, capture_output=True, timeout=60)
+    assert "/var/lib" not in (tmp_path / "a" / "redis.conf").read_text()  # the template's dir is replaced
+    host = Supervisor(tmp_path / "a" / "supervisord.conf")
+    try:
+        _wait(lambda: host.states().get("redis") == "RUNNING", "Redis under supervisord", 30)
+        client = redis.Redis.from_url(url)
+        assert client.config_get("appendfsync") == {"appendfsync": "always"}
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(port=port).ping()
+        client.close()
+        tree = host.tree()
+        host.ctl("shutdown")
+        host.process.wait(60)
+        _wait(lambda: not [p for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE], "no leftovers")
+    finally:
+        host.kill()
