@@ -25,7 +25,7 @@ from rollstream.producer.episode import EpisodeSpec, Sampling, play_episode
 from rollstream.producer.policy.base import Policy
 from rollstream.producer.policy.factory import chat_template_of
 from rollstream.shared.codec import encode_drop, encode_trajectory
-from rollstream.shared.config import RollstreamConfig
+from rollstream.shared.config import ConfigError, RollstreamConfig
 from rollstream.shared.keys import Keys
 from rollstream.shared.layout import GroupSpec, plan_layout
 from rollstream.shared.ledger import Admission, AsyncAdmissions, finished_version, owner_tag
@@ -83,6 +83,9 @@ class EnvWorker:
         self.validation = ValidationPlayer(self)
         self._val_tasks: set[asyncio.Task[None]] = set()
         self._val_rounds: set[int] = set()
+        self._beats = 0
+        self.twin: str | None = None
+        """Set when another process beats under this rank: the run is misconfigured and this worker stops."""
 
     # ---- the loop ----
 
@@ -133,13 +136,16 @@ class EnvWorker:
                             "trainer's group_timeout_s", self.rank, SHUTDOWN_REPORT_S)
         if failure is not None:
             raise failure
+        if self.twin is not None:
+            raise ConfigError(self.twin)
 
     async def _report_shutdown(self, groups: list[GroupRunner]) -> None:
         # At the end of the experiment the trainer already ended every group in flight (unused_at_end)
         for g in groups if self.finished_at is None else ():
             if not await g.drop_unfinished("shutdown"):
                 return  # Redis is gone: one failure is enough waiting
-        await self.client.delete(self.keys.worker(self.rank))
+        if self.twin is None:  # a twin's key stays, so that the other process sees it and stops too
+            await self.client.delete(self.keys.worker(self.rank))
 
     def _finish(self, version: int) -> None:
         if self.finished_at is None:
@@ -247,6 +253,7 @@ class EnvWorker:
         total = sum(self.stats.episodes.values())
         elapsed = max(time.time() - self.stats.started_at, 1e-9)
         async with self.client.pipeline(transaction=True) as pipe:
+            pipe.hmget(key, ["incarnation", "host", "pid"])
             pipe.hset(key, mapping={
                 "rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(),
                 "incarnation": self.incarnation, "envs": len(self.layout.groups_of(self.rank))
@@ -255,7 +262,14 @@ class EnvWorker:
                 "last_seen": round(time.time(), 3),
             })
             pipe.pexpire(key, max(1, int(HEARTBEAT_MISSES * every * 1000)))
-            await pipe.execute()
+            (incarnation, host, pid), *_ = await pipe.execute()
+        # Before our first beat the key may hold a dead predecessor's incarnation; after it, only a live twin
+        if self._beats and incarnation is not None and incarnation.decode() != self.incarnation:
+            self.twin = (f"env-worker rank {self.rank} also runs on host {host.decode()} pid {pid.decode()}: "
+                         "each rank must run once (see hosts.machines.*.env_workers); stopping this one")
+            log.error("worker %d: %s", self.rank, self.twin)
+            self.request_stop()
+        self._beats += 1
 
     # ---- playing and writing ----
 

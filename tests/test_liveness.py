@@ -144,3 +144,19 @@ def test_a_producer_started_after_the_end_exits_0_at_once_saying_so(tmp_path, re
     assert done.returncode == 0, done.stderr[-2000:]
     assert "already finished at version 20" in done.stderr
     assert read_counters(redis_client, Keys.for_exp("ended")).get("admitted", 0) == 0
+
+
+def test_two_workers_of_one_rank_both_stop_with_a_clear_error(tmp_path, redis_server, redis_client) -> None:
+    _, config, env = _setup(tmp_path, redis_server.url, "twins")
+    twins = [_spawn(["producer", str(config), "--worker-rank", "1"], env, tmp_path / f"twin-{i}.log") for i in (0, 1)]
+    try:
+        codes = [p.wait(timeout=60) for p in twins]
+    finally:
+        for p in twins:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert codes == [2, 2]  # a configuration error: one line, no traceback
+    for i in (0, 1):
+        log = (tmp_path / f"twin-{i}.log").read_text()
+        assert "rollstream: error: env-worker rank 1 also runs on host" in log and "Traceback" not in log
