@@ -53,6 +53,7 @@ def run_trainer(cfg: RollstreamConfig, client: redis.Redis, *, consumer: str = "
     recorder = Recorder(cfg.record_to) if cfg.record_to else None
     validator = Validator(client, cfg, consumer) if cfg.eval_steps else None
     start = batcher.ledger.version()
+    _reopen_if_extended(cfg, batcher.ledger, start)
     resume(cfg, learner, batcher.ledger, start)
     bar = tqdm(total=cfg.max_steps, initial=start, desc="train", unit="step", disable=not progress,
                dynamic_ncols=True)
@@ -94,6 +95,8 @@ def run_trainer(cfg: RollstreamConfig, client: redis.Redis, *, consumer: str = "
                             held_out=f"{metrics.latest('val/success') or 0:.2f}", wait=f"{batch.wait_s:.1f}s")
         if validator and not stop.is_set() and batcher.ledger.version() == cfg.max_steps > start:
             metrics.log(cfg.max_steps, validator.run(cfg.max_steps, version=cfg.max_steps))
+        if not stop.is_set() and batcher.ledger.version() >= cfg.max_steps:
+            finish_experiment(batcher, cfg.max_steps)
     finally:
         bar.close()
         if recorder:
@@ -103,6 +106,25 @@ def run_trainer(cfg: RollstreamConfig, client: redis.Redis, *, consumer: str = "
     done = batcher.ledger.version()
     return TrainSummary(done - start, done, batcher.ledger.counters(), str(plot) if plot else None,
                         dict(metrics.history))
+
+
+def finish_experiment(batcher: Batcher, version: int) -> None:
+    """Tell every env-worker the run is over: they return their slots and exit 0, and none admits again.
+
+    Groups still in flight end as unused_at_end; the entries of theirs this trainer holds are acknowledged."""
+    unused = batcher.ledger.finish_experiment(version)
+    held = batcher.assembler.drain()
+    batcher.ledger.ack_orphans(held)
+    log.info("experiment finished at version %d: %d groups in flight ended unused, env-workers told to exit",
+             version, unused)
+
+
+def _reopen_if_extended(cfg: RollstreamConfig, ledger: Ledger, version: int) -> None:
+    finished = ledger.finished()
+    if finished is not None and version < cfg.max_steps:
+        log.warning("experiment %r was finished at version %d; continuing it to max_steps=%d (restart the "
+                    "env-workers: they exited at the end)", cfg.exp_name, finished, cfg.max_steps)
+        ledger.reopen()
 
 
 def publish(cfg: RollstreamConfig, client: redis.Redis, keys: Keys, learner: Learner, version: int,

@@ -12,6 +12,7 @@ import logging
 import os
 import socket
 import time
+import uuid
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,12 +24,12 @@ from rollstream.producer.policy.base import Policy
 from rollstream.producer.policy.factory import chat_template_of
 from rollstream.producer.validation import ValidationPlayer
 from rollstream.shared.codec import encode_drop, encode_trajectory
-from rollstream.shared.config import RollstreamConfig
+from rollstream.shared.config import ConfigError, RollstreamConfig
 from rollstream.shared.envs.base import TextEnv
 from rollstream.shared.envs.registry import make_env
 from rollstream.shared.keys import Keys
 from rollstream.shared.layout import GroupSpec
-from rollstream.shared.ledger import Admission, AsyncAdmissions
+from rollstream.shared.ledger import Admission, AsyncAdmissions, finished_version, owner_tag
 from rollstream.shared.schema import GroupDropNotice, Trajectory, group_prefix
 from rollstream.shared.seeding import episode_seed
 from rollstream.shared.weights_io import weights_path_from_uri
@@ -36,6 +37,8 @@ from rollstream.shared.weights_transport import drop_downloads, fetch_weights
 
 log = logging.getLogger(__name__)
 
+HEARTBEAT_MISSES = 5
+"""A worker whose heartbeat was not refreshed for this many heartbeat_s periods is gone (default 5 x 2 s = 10 s)."""
 SHUTDOWN_REPORT_S = 15.0
 """How long a stopping worker spends telling the trainer which admitted episodes it abandons."""
 
@@ -58,7 +61,12 @@ class EnvWorker:
         self.policy = policy
         self.keys = Keys.for_exp(cfg.exp_name)
         self.layout = cfg.train_layout
-        self.admissions = AsyncAdmissions(client, self.keys, cfg.groups_per_batch, cfg.async_generation_ratio)
+        self.incarnation = uuid.uuid4().hex[:12]
+        """This process's identity beside its rank: a restarted worker's predecessor's groups are ended."""
+        self.admissions = AsyncAdmissions(client, self.keys, cfg.groups_per_batch, cfg.async_generation_ratio,
+                                          owner_tag(rank, self.incarnation))
+        self.finished_at: int | None = None
+        """The final version once the trainer marked the experiment finished: the worker then exits 0."""
         self.episodes_per_group = episodes_per_group
         """Burst mode: each group plays this many episodes, then the worker returns."""
         self.stats = WorkerStats()
@@ -76,6 +84,9 @@ class EnvWorker:
         self.validation = ValidationPlayer(self, cfg.val_layout if cfg.eval_steps else None)
         self._val_tasks: set[asyncio.Task[None]] = set()
         self._val_rounds: set[int] = set()
+        self._beats = 0
+        self.twin: str | None = None
+        """Set when another process beats under this rank: the run is misconfigured and this worker stops."""
 
     # ---- the loop ----
 
@@ -83,8 +94,14 @@ class EnvWorker:
         """Play until stopped (SIGTERM: in-flight episodes are abandoned and reported) or, in burst mode,
         until every group has played episodes_per_group episodes."""
         groups = [GroupRunner(self, spec) for spec in self.layout.groups_of(self.rank)]
+        self.finished_at = await finished_version(self.client, self.keys)
+        if self.finished_at is not None:
+            log.info("worker %d: experiment %r already finished at version %d (max_steps): nothing to do",
+                     self.rank, self.cfg.exp_name, self.finished_at)
+            return
         log.info("worker %d: %d groups, %d envs", self.rank, len(groups), len(groups) * self.layout.group_size)
         stream_ids = await self._load_published_version()
+        await self._beat()  # before the first admission: a group must never be owned by a worker not yet beating
         background = [asyncio.create_task(self._follow_streams(stream_ids), name="follow-streams"),
                       asyncio.create_task(self._heartbeat(), name="heartbeat")]
         members = [asyncio.create_task(g.run_member(m), name=f"g{g.spec.group_index}/m{m}")
@@ -120,12 +137,22 @@ class EnvWorker:
                             "trainer's group_timeout_s", self.rank, SHUTDOWN_REPORT_S)
         if failure is not None:
             raise failure
+        if self.twin is not None:
+            raise ConfigError(self.twin)
 
     async def _report_shutdown(self, groups: list[GroupRunner]) -> None:
-        for g in groups:
+        # At the end of the experiment the trainer already ended every group in flight (unused_at_end)
+        for g in groups if self.finished_at is None else ():
             if not await g.drop_unfinished("shutdown"):
                 return  # Redis is gone: one failure is enough waiting
-        await self.client.delete(self.keys.worker(self.rank))
+        if self.twin is None:  # a twin's key stays, so that the other process sees it and stops too
+            await self.client.delete(self.keys.worker(self.rank))
+
+    def _finish(self, version: int) -> None:
+        if self.finished_at is None:
+            log.info("worker %d: the trainer finished the experiment at version %d: stopping", self.rank, version)
+        self.finished_at = version
+        self.request_stop()
 
     def request_stop(self) -> None:
         """Signal-safe: only sets flags; `run` does the draining."""
@@ -137,6 +164,9 @@ class EnvWorker:
         while not self.stop.is_set():
             self.notified.clear()
             admission = await self.admissions.admit(prefix)
+            if admission.finished:
+                self._finish(admission.version)
+                return None
             if admission.episode is not None:
                 await self.ensure_version(admission.version)
                 return admission
@@ -180,6 +210,8 @@ class EnvWorker:
                 for _, fields in entries if name == self.keys.control else ():
                     if fields.get(b"kind") == b"val":
                         self._start_validation(int(fields[b"round"]), int(fields[b"version"]))
+                    elif fields.get(b"kind") == b"finished":
+                        self._finish(int(fields[b"version"]))
             if replies:
                 self.notified.set()
 
@@ -211,19 +243,34 @@ class EnvWorker:
         task.add_done_callback(self._val_tasks.discard)
 
     async def _heartbeat(self) -> None:
-        key, every = self.keys.worker(self.rank), self.cfg.redis.heartbeat_s
-        host, pid = socket.gethostname(), os.getpid()
         while not self.stop.is_set():
-            total = sum(self.stats.episodes.values())
-            elapsed = max(time.time() - self.stats.started_at, 1e-9)
-            await self.client.hset(key, mapping={
-                "rank": self.rank, "host": host, "pid": pid, "envs": len(self.layout.groups_of(self.rank))
+            await asyncio.sleep(self.cfg.redis.heartbeat_s)
+            await self._beat()
+
+    async def _beat(self) -> None:
+        """Refresh this worker's heartbeat; it expires after HEARTBEAT_MISSES beats, and the trainer then ends
+        the groups this incarnation admitted (a restarted worker replaces the incarnation at once)."""
+        key, every = self.keys.worker(self.rank), self.cfg.redis.heartbeat_s
+        total = sum(self.stats.episodes.values())
+        elapsed = max(time.time() - self.stats.started_at, 1e-9)
+        async with self.client.pipeline(transaction=True) as pipe:
+            pipe.hmget(key, ["incarnation", "host", "pid"])
+            pipe.hset(key, mapping={
+                "rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(),
+                "incarnation": self.incarnation, "envs": len(self.layout.groups_of(self.rank))
                 * self.layout.group_size, "episodes": total, "errors": sum(self.stats.errors.values()),
                 "episodes_per_s": round(total / elapsed, 3), "loaded_version": self.policy.version,
                 "last_seen": round(time.time(), 3),
             })
-            await self.client.expire(key, max(1, int(5 * every)))
-            await asyncio.sleep(every)
+            pipe.pexpire(key, max(1, int(HEARTBEAT_MISSES * every * 1000)))
+            (incarnation, host, pid), *_ = await pipe.execute()
+        # Before our first beat the key may hold a dead predecessor's incarnation; after it, only a live twin
+        if self._beats and incarnation is not None and incarnation.decode() != self.incarnation:
+            self.twin = (f"env-worker rank {self.rank} also runs on host {host.decode()} pid {pid.decode()}: "
+                         "each rank must run once (see hosts.machines.*.env_workers); stopping this one")
+            log.error("worker %d: %s", self.rank, self.twin)
+            self.request_stop()
+        self._beats += 1
 
     # ---- playing and writing ----
 

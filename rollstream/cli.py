@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 from rollstream.shared.codec import CodecError
@@ -30,16 +32,52 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname).1s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    started = time.monotonic()
     try:
-        return int(args.func(args) or 0)
+        if args.env_file:
+            _load_env_file(args.env_file)
+        code = int(args.func(args) or 0)
     except (ConfigError, RedisUnavailable, CodecError, FileNotFoundError) as e:
         print(f"rollstream: error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    if code == 0 and args.min_uptime:
+        # supervisord counts an exit within startsecs as a failed start even with exit code 0; a producer
+        # that finds the experiment finished must end as EXITED, not as FATAL after retries.
+        time.sleep(max(0.0, args.min_uptime - _process_age(time.monotonic() - started)))
+    return code
+
+
+def _process_age(fallback: float) -> float:
+    """Seconds since this process was spawned (Linux /proc; imports included), else `fallback`."""
+    try:
+        start_ticks = int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[19])
+        uptime = float(open("/proc/uptime").read().split()[0])
+        return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return fallback
+
+
+def _load_env_file(path: str) -> None:
+    """KEY=VALUE lines (from `rollstream deploy supervisor`) into this process's environment."""
+    try:
+        lines = open(path).read().splitlines()
+    except OSError as e:
+        raise ConfigError(f"--env-file {path}: {e.strerror}") from None
+    for n, line in enumerate(lines, 1):
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        key, sep, value = line.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--env-file {path} line {n}: expected KEY=VALUE")
+        os.environ[key.strip()] = value
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rollstream", description="Asynchronous agentic RL on Redis Streams.")
     parser.add_argument("-v", "--verbose", action="store_true")
+    parser.add_argument("--env-file", metavar="PATH", help="load KEY=VALUE lines into the environment first")
+    parser.add_argument("--min-uptime", type=float, default=0.0, metavar="S",
+                        help="on success, exit no sooner than S seconds after start (supervisord's startsecs)")
     sub = parser.add_subparsers(required=True, metavar="COMMAND")
 
     def command(name: str, func: Callable[[argparse.Namespace], int | None], help: str,
@@ -62,6 +100,13 @@ def _parser() -> argparse.ArgumentParser:
                    help="burst mode: each group plays this many episodes, then the worker exits")
     p = command("trainer", _trainer, "run the trainer")
     p.add_argument("--consumer", default=TRAINER_CONSUMER, help="stable consumer name in the stream's group")
+    p = command("deploy", _deploy, "write one host's supervisord.conf from the config's hosts section "
+                "(deploy supervisor CONFIG --host NAME --out DIR)", config="none")
+    p.add_argument("target", choices=["supervisor"])
+    p.add_argument("config", help="YAML config file")
+    p.add_argument("overrides", nargs="*", metavar="key=value")
+    p.add_argument("--host", required=True, help="a host of hosts.machines")
+    p.add_argument("--out", required=True, help="directory for supervisord.conf and its files")
     p = command("config", _config, "show: the resolved config, ROLL-key notices and the env layouts; "
                 "show --explain: every key documented; roll-keys: the ROLL key table (markdown)", config="none")
     p.add_argument("action", choices=["show", "roll-keys"])
@@ -126,9 +171,11 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _require_url(cfg: RollstreamConfig) -> str:
-    url = resolve_url(cfg.redis)
+    from rollstream.shared.hosts import hosts_redis_url
+
+    url = resolve_url(cfg.redis) or hosts_redis_url(cfg.hosts)
     if url is None:
-        raise ConfigError("no Redis to connect to: set redis.url or ROLLSTREAM_REDIS_URL "
+        raise ConfigError("no Redis to connect to: set redis.url or ROLLSTREAM_REDIS_URL, or hosts.redis.host "
                           "(only `rollstream run` starts an embedded server)")
     return url
 
@@ -169,6 +216,18 @@ def _trainer(args: argparse.Namespace) -> int:
     log.info("trainer done: version %d, groups %s%s", summary.last_version, summary.counters,
              f", curves in {summary.plot}" if summary.plot else "")
     return 0 if summary.last_version >= cfg.max_steps or stop.is_set() else 1
+
+
+def _deploy(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from rollstream.deploy import write_supervisor
+
+    conf = write_supervisor(_load(args), args.host, Path(args.out))
+    print(f"wrote {conf}\n  supervisord -c {conf}\n  supervisorctl -c {conf} start producers:*"
+          + (f"\n  supervisorctl -c {conf} start trainer" if "[program:trainer]" in conf.read_text()
+             else ""))
+    return 0
 
 
 def _debug_env(args: argparse.Namespace) -> int:
@@ -212,6 +271,11 @@ def _config(args: argparse.Namespace) -> int:
     print(to_yaml(cfg))
     print("# train_env_manager layout")
     print("# " + describe_layout(cfg.train_layout).replace("\n", "\n# "))
+    if cfg.hosts.machines:
+        from rollstream.shared.hosts import describe_hosts, plan_hosts
+
+        print("# hosts")
+        print("# " + describe_hosts(plan_hosts(cfg.hosts, cfg.train_layout.num_workers)).replace("\n", "\n# "))
     print("# val_env_manager layout" + ("" if cfg.eval_steps else " (eval_steps is 0: validation never runs)"))
     print("# " + describe_layout(cfg.val_layout).replace("\n", "\n# "))
     if args.explain:
@@ -223,7 +287,9 @@ def _target(args: argparse.Namespace) -> tuple[RollstreamConfig, str]:
     cfg = load_config(args.config, args.overrides or ()) if args.config else RollstreamConfig()
     if args.exp:
         cfg.exp_name = args.exp
-    url = args.redis or resolve_url(cfg.redis)
+    from rollstream.shared.hosts import hosts_redis_url
+
+    url = args.redis or resolve_url(cfg.redis) or hosts_redis_url(cfg.hosts)
     if url is None:
         raise ConfigError("which Redis? pass --redis URL, set ROLLSTREAM_REDIS_URL, or give a config with redis.url")
     return cfg, url

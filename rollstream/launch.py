@@ -2,7 +2,9 @@
 
 Starts an embedded Redis when no URL is configured, one producer process per worker rank and the trainer,
 waits for the trainer to finish max_steps, then stops the producers (SIGTERM: they return their slots)
-and the server. Producers log to files under logging_dir; the trainer owns the console.
+and the server. Producers log to files under logging_dir; the trainer owns the console. A crashed env-worker
+is restarted (its groups in flight are ended by the trainer through its heartbeat) up to
+MAX_WORKER_RESTARTS times; then the run stops with an error naming its log.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 from typing import IO
@@ -27,6 +30,10 @@ from rollstream.shared.layout import visible_devices
 from rollstream.shared.redis_io import URL_ENV, connect, redact, resolve_url
 
 log = logging.getLogger(__name__)
+
+MAX_WORKER_RESTARTS = 3
+"""Restarts of one env-worker rank before `rollstream run` gives up: a worker that keeps crashing has a cause
+(a bad env, a broken model) that restarting will not fix."""
 
 
 def run_local(cfg: RollstreamConfig, *, fresh: bool = False) -> int:
@@ -50,16 +57,19 @@ def run_local(cfg: RollstreamConfig, *, fresh: bool = False) -> int:
             log.info("embedded Redis at %s (data in %s)", url, data)
         _prepare_namespace(cfg, url, fresh)
         env = os.environ | {URL_ENV: url}
-        log_mode = "ab" if cfg.resume_from_checkpoint else "wb"
-        producers = [
-            _spawn(["producer", str(config_path), "--worker-rank", str(rank)], _devices(env, cfg, "actor_infer", rank),
-                   stack.enter_context(open(logs / f"producer-{rank}.log", log_mode)))
-            for rank in range(layout.num_workers)
-        ]
+        for rank in range(layout.num_workers) if not cfg.resume_from_checkpoint else ():
+            (logs / f"producer-{rank}.log").unlink(missing_ok=True)  # a new run starts new logs
+
+        def spawn_producer(rank: int) -> subprocess.Popen[bytes]:
+            return _spawn(["producer", str(config_path), "--worker-rank", str(rank)],
+                          _devices(env, cfg, "actor_infer", rank),
+                          stack.enter_context(open(logs / f"producer-{rank}.log", "ab")))
+
+        producers = [spawn_producer(rank) for rank in range(layout.num_workers)]
         log.info("started %d env-workers (logs in %s)", len(producers), logs)
         trainer = _spawn(["trainer", str(config_path)], _devices(env, cfg, "actor_train", 0), None)
         try:
-            code = _wait_for_trainer(trainer, producers, logs)
+            code = _wait_for_trainer(trainer, producers, spawn_producer, logs)
         finally:
             _stop_all([trainer, *producers])
     return code
@@ -105,19 +115,28 @@ def _spawn(args: list[str], env: dict[str, str], output: IO[bytes] | None) -> su
 
 
 def _wait_for_trainer(trainer: subprocess.Popen[bytes], producers: list[subprocess.Popen[bytes]],
-                      logs: Path) -> int:
-    """The trainer's exit code; a crashed env-worker ends the run (the trainer would wait for it forever)."""
+                      spawn_producer: Callable[[int], subprocess.Popen[bytes]], logs: Path) -> int:
+    """The trainer's exit code. A crashed env-worker is restarted (`producers` is updated in place) up to
+    MAX_WORKER_RESTARTS times; one more crash ends the run with 1."""
     terminated = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: terminated.set())  # only a flag: the loop below drains
+    restarts = [0] * len(producers)
     try:
         while trainer.poll() is None:
             if terminated.is_set():
                 raise KeyboardInterrupt
             for rank, p in enumerate(producers):
-                if p.poll() not in (None, 0):
-                    log.error("env-worker %d exited with code %s: see %s; stopping the run", rank, p.returncode,
-                              logs / f"producer-{rank}.log")
+                if p.poll() in (None, 0):
+                    continue
+                worker_log = logs / f"producer-{rank}.log"
+                if restarts[rank] == MAX_WORKER_RESTARTS:
+                    log.error("env-worker %d exited with code %s after %d restarts: see %s; stopping the run",
+                              rank, p.returncode, restarts[rank], worker_log)
                     return 1
+                restarts[rank] += 1
+                log.warning("env-worker %d exited with code %s (see %s): restarting it (%d of %d)", rank,
+                            p.returncode, worker_log, restarts[rank], MAX_WORKER_RESTARTS)
+                producers[rank] = spawn_producer(rank)
             time.sleep(0.5)
     except KeyboardInterrupt:
         log.warning("interrupted: stopping the trainer and env-workers")

@@ -25,6 +25,8 @@ from pydantic.dataclasses import dataclass
 if TYPE_CHECKING:
     from rollstream.shared.layout import Layout
 
+from rollstream.shared.hosts import HostsConfig
+
 
 class ConfigError(ValueError):
     """A config value is wrong; the message names the key, the value and what is valid."""
@@ -439,6 +441,8 @@ class RollstreamConfig:
     """wandb project name."""
     record_to: str | None = None
     """When set, the trainer appends every trajectory it trains on to this file (see `rollstream replay`)."""
+    hosts: HostsConfig = field(default_factory=HostsConfig)
+    """Which host runs Redis, the trainer and which env-workers (`rollstream deploy supervisor`); see hosts.py."""
 
     @property
     def groups_per_batch(self) -> int:

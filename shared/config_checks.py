@@ -13,6 +13,7 @@ from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
 from pydantic.dataclasses import dataclass
 
 from rollstream.shared.config import ConfigError, RollstreamConfig, StrategyArgs
+from rollstream.shared.hosts import plan_hosts
 
 _OPTIONS = ConfigDict(extra="forbid", use_attribute_docstrings=True, allow_inf_nan=False)
 
@@ -84,6 +85,7 @@ def check_config(cfg: RollstreamConfig) -> list[str]:
     _check_custom_envs(cfg)
     cfg.train_layout  # noqa: B018 - planning the layouts checks them, once
     cfg.val_layout  # noqa: B018
+    plan_hosts(cfg.hosts, cfg.train_layout.num_workers)
     if cfg.eval_steps and cfg.val_env_manager.group_size != 1:
         raise ConfigError(f"val_env_manager.group_size={cfg.val_env_manager.group_size}: validation runs at "
                           "temperature 0, so every member of a group would play the same; use 1")

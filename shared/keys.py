@@ -79,6 +79,18 @@ class Keys:
         """Set while train admission is paused for a validation round; holds "<round> <version>"."""
         return f"{self.ns}:paused"
 
+    @property
+    def owners(self) -> str:
+        """Hash: in-flight group id -> "<worker rank> <incarnation>" of the env-worker process that admitted it,
+        so the trainer can end the groups of a worker whose heartbeat expired or that restarted."""
+        return f"{self.ns}:owners"
+
+    @property
+    def finished(self) -> str:
+        """Set by the trainer when it reaches max_steps (holds the final version): admission stops and
+        env-workers exit 0."""
+        return f"{self.ns}:finished"
+
     def worker(self, rank: int) -> str:
         """Heartbeat hash of one env-worker; expires when the worker stops beating."""
         return f"{self.ns}:worker:{rank}"

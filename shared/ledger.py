@@ -1,9 +1,11 @@
 """The group ledger in Redis: admission under the version cap, and how every admitted group ends.
 
 Admission and finishing are Lua scripts, so each is atomic however many producers and trainers race.
-Every admitted group is in `<ns>:inflight` until it ends as exactly one of trained, stale_dropped,
-timeout_dropped or failed_dropped (the ZREM decides who got there first), which makes the counters
-reconcile: admitted = trained + stale_dropped + timeout_dropped + failed_dropped + in flight.
+Every admitted group is in `<ns>:inflight` until it ends as exactly one of OUTCOMES (the ZREM decides who got
+there first), which makes the counters reconcile: admitted = trained + stale_dropped + timeout_dropped +
+failed_dropped + worker_lost_dropped + unused_at_end + in flight.
+Admission records which worker process owns a group (`<ns>:owners`), so that the groups of a worker whose
+heartbeat expired, or that restarted, are ended in seconds rather than after group_timeout_s.
 The arithmetic is `rollstream.shared.versioning.admission_cap`, repeated in ADMIT_LUA.
 """
 
@@ -17,14 +19,17 @@ import redis.asyncio
 
 from rollstream.shared.keys import TRAINER_GROUP, Keys
 
-OUTCOMES = ("trained", "stale_dropped", "timeout_dropped", "failed_dropped")
-"""How an admitted group ends. All but trained return the group's slot, so another episode may start."""
+OUTCOMES = ("trained", "stale_dropped", "timeout_dropped", "failed_dropped", "worker_lost_dropped", "unused_at_end")
+"""How an admitted group ends. All but trained return the group's slot, so another episode may start.
+worker_lost_dropped: the env-worker that admitted it died (heartbeat expired, or it restarted);
+unused_at_end: still in flight when the trainer reached max_steps."""
 
-# KEYS: version, counters, inflight, episodes, paused
-# ARGV: groups per batch G, ratio r, group prefix (the group id without its episode index)
-# Returns {episode, version}; episode -1 = admission paused, -2 = the cap is reached.
+# KEYS: version, counters, inflight, episodes, paused, owners, finished
+# ARGV: groups per batch G, ratio r, group prefix (the group id without its episode index), owner ("" = none)
+# Returns {episode, version}; episode -1 = admission paused, -2 = the cap is reached, -3 = experiment finished.
 ADMIT_LUA = """
 local version = tonumber(redis.call('GET', KEYS[1]) or '0')
+if redis.call('EXISTS', KEYS[7]) == 1 then return {-3, version} end
 if redis.call('EXISTS', KEYS[5]) == 1 then return {-1, version} end
 local admitted = tonumber(redis.call('HGET', KEYS[2], 'admitted') or '0')
 local returned = tonumber(redis.call('HGET', KEYS[2], 'returned') or '0')
@@ -35,7 +40,24 @@ local episode = redis.call('HINCRBY', KEYS[4], ARGV[3], 1) - 1
 redis.call('HINCRBY', KEYS[2], 'admitted', 1)
 local t = redis.call('TIME')
 redis.call('ZADD', KEYS[3], tonumber(t[1]) + tonumber(t[2]) / 1000000, ARGV[3] .. episode)
+if ARGV[4] ~= '' then redis.call('HSET', KEYS[6], ARGV[3] .. episode, ARGV[4]) end
 return {episode, version}
+"""
+
+# KEYS: finished, inflight, counters, control, owners
+# ARGV: final version
+# Marks the experiment finished and ends every group still in flight as unused_at_end, returning its slot;
+# admission refuses from here on, so nothing is left in flight. Returns how many groups it ended.
+FINISH_EXPERIMENT_LUA = """
+redis.call('SET', KEYS[1], ARGV[1])
+local n = redis.call('ZCARD', KEYS[2])
+if n > 0 then
+  redis.call('HINCRBY', KEYS[3], 'unused_at_end', n)
+  redis.call('HINCRBY', KEYS[3], 'returned', n)
+end
+redis.call('DEL', KEYS[2], KEYS[5])
+redis.call('XADD', KEYS[4], 'MAXLEN', '~', 1000, '*', 'kind', 'finished', 'version', ARGV[1])
+return n
 """
 
 # KEYS: inflight, counters, stream, control
@@ -65,26 +87,42 @@ class Admission:
     version: int
     """The published version at admission: the episode must start with weights at least this new."""
     paused: bool = False
+    finished: bool = False
+    """The trainer reached max_steps: nothing is admitted any more."""
 
 
 class AsyncAdmissions:
     """Producer side: take a slot for a group's next episode."""
 
-    def __init__(self, client: redis.asyncio.Redis, keys: Keys, groups_per_batch: int, ratio: int) -> None:
+    def __init__(self, client: redis.asyncio.Redis, keys: Keys, groups_per_batch: int, ratio: int,
+                 owner: str = "") -> None:
         self.keys = keys
         self.groups_per_batch = groups_per_batch
         self.ratio = ratio
+        self.owner = owner
+        """`owner_tag(rank, incarnation)` of the admitting worker process; "" records no owner."""
         self._admit = client.register_script(ADMIT_LUA)
 
     async def admit(self, group_prefix: str) -> Admission:
         k = self.keys
         episode, version = await self._admit(
-            keys=[k.version, k.counters, k.inflight, k.episodes, k.paused],
-            args=[self.groups_per_batch, self.ratio, group_prefix],
+            keys=[k.version, k.counters, k.inflight, k.episodes, k.paused, k.owners, k.finished],
+            args=[self.groups_per_batch, self.ratio, group_prefix, self.owner],
         )
         if episode < 0:
-            return Admission(None, int(version), paused=episode == -1)
+            return Admission(None, int(version), paused=episode == -1, finished=episode == -3)
         return Admission(int(episode), int(version))
+
+
+def owner_tag(rank: int, incarnation: str) -> str:
+    """Who admitted a group: the worker rank and the incarnation (one per process start) that played it."""
+    return f"{rank} {incarnation}"
+
+
+async def finished_version(client: redis.asyncio.Redis, keys: Keys) -> int | None:
+    """The final version if the trainer has marked the experiment finished, else None."""
+    value = await client.get(keys.finished)
+    return None if value is None else int(value)
 
 
 class Ledger:
@@ -151,6 +189,41 @@ class Ledger:
         cutoff = seconds + micros / 1e6 - timeout_s
         return [g.decode() for g in self.client.zrangebyscore(self.keys.inflight, "-inf", cutoff)]
 
+    def lost_groups(self) -> dict[str, int]:
+        """In-flight groups whose admitting worker process is gone -> its rank.
+
+        Gone: its rank's heartbeat expired, or holds another incarnation (the worker restarted). Owner records
+        of groups that already ended are deleted here, so the owners hash stays as small as the in-flight set.
+        """
+        owners = {_text(g): _text(v).split(" ", 1) for g, v in self.client.hgetall(self.keys.owners).items()}
+        if not owners:
+            return {}
+        in_flight = self.inflight_of(list(owners))
+        ended = {g for g, alive in zip(owners, in_flight) if not alive}
+        if ended:
+            self.client.hdel(self.keys.owners, *ended)
+        live = {g: o for g, o in owners.items() if g not in ended}
+        ranks = sorted({int(rank) for rank, _ in live.values()})
+        with self.client.pipeline(transaction=False) as pipe:
+            for rank in ranks:
+                pipe.hget(self.keys.worker(rank), "incarnation")
+            beating = {rank: (_text(v) if v else None) for rank, v in zip(ranks, pipe.execute())}
+        return {g: int(rank) for g, (rank, inc) in live.items() if beating[int(rank)] != inc}
+
+    def finish_experiment(self, version: int) -> int:
+        """Mark the experiment finished at `version`; groups still in flight end as unused_at_end."""
+        k = self.keys
+        script = self.client.register_script(FINISH_EXPERIMENT_LUA)
+        return int(script(keys=[k.finished, k.inflight, k.counters, k.control, k.owners], args=[version]))
+
+    def finished(self) -> int | None:
+        value = self.client.get(self.keys.finished)
+        return None if value is None else int(value)
+
+    def reopen(self) -> None:
+        """A trainer continuing a finished experiment to a higher max_steps: admission opens again."""
+        self.client.delete(self.keys.finished)
+
     def version(self) -> int:
         return int(self.client.get(self.keys.version) or 0)
 
@@ -170,6 +243,10 @@ class Ledger:
         return added
 
 
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
 def read_counters(client: redis.Redis, keys: Keys) -> dict[str, int]:
     with client.pipeline(transaction=True) as pipe:
         raw, in_flight = pipe.hgetall(keys.counters).zcard(keys.inflight).execute()
@@ -179,6 +256,6 @@ def read_counters(client: redis.Redis, keys: Keys) -> dict[str, int]:
 
 
 def reconciles(counts: dict[str, int]) -> bool:
-    """admitted = trained + stale + timed out + failed + in flight."""
+    """admitted = trained + stale + timed out + failed + worker lost + unused at end + in flight."""
     ended = sum(counts.get(o, 0) for o in OUTCOMES)
     return counts.get("admitted", 0) == ended + counts.get("in_flight", 0)

@@ -21,6 +21,8 @@ class Status:
     dead_letters: int
     counters: dict[str, int]
     workers: list[dict[str, str]]
+    finished: int | None = None
+    """The final version once the trainer reached max_steps."""
 
 
 def read_status(client: redis.Redis, keys: Keys) -> Status:
@@ -44,6 +46,7 @@ def read_status(client: redis.Redis, keys: Keys) -> Status:
         dead_letters=int(client.xlen(keys.dead)),
         counters=counters,
         workers=workers,
+        finished=None if (end := client.get(keys.finished)) is None else int(end),
     )
 
 
@@ -62,6 +65,7 @@ def format_status(status: Status, ns: str) -> str:
     rows = [
         ("namespace", ns),
         ("published version", status.version),
+        ("finished", "no" if status.finished is None else f"yes, at version {status.finished}"),
         ("stream backlog (entries)", status.backlog),
         ("delivered, not acked", status.pending),
         ("consumer lag (entries)", "-" if status.lag is None else status.lag),

@@ -75,6 +75,13 @@ class GroupAssembler:
         group = self.partial.pop(group_id, None) or self.ready.pop(group_id, None)
         return group.entry_ids if group else []
 
+    def drain(self) -> list[bytes]:
+        """Forget every group held; returns all their entry ids."""
+        ids = [e for g in [*self.partial.values(), *self.ready.values()] for e in g.entry_ids]
+        self.partial.clear()
+        self.ready.clear()
+        return ids
+
     def known(self, group_id: str) -> bool:
         return group_id in self.partial or group_id in self.ready
 

@@ -50,6 +50,9 @@ class Batcher:
         self.groups_per_batch = cfg.groups_per_batch
         self.ratio = cfg.async_generation_ratio
         self._dropped: Counter[str] = Counter()
+        self._next_reap = 0.0
+        self._suspects: set[str] = set()
+        """Groups whose worker looked gone at the last check: ended if still so at the next one."""
 
     def next_batch(self, step: int, *, timeout_s: float | None = None) -> Batch | None:
         """Block until G usable complete groups are in hand (None if `timeout_s` passes first)."""
@@ -74,6 +77,10 @@ class Batcher:
         self.route(self.reader.read())
         if self.reader.caught_up:
             self.expire_timed_out()
+        if self.reader.drained and time.monotonic() >= self._next_reap:
+            # Twice per heartbeat period: a lost worker's groups end within about one period after its heartbeat
+            self._next_reap = time.monotonic() + self.cfg.redis.heartbeat_s / 2
+            self.end_lost_workers_groups()
 
     def route(self, entries: list[Entry]) -> None:
         alive = self.ledger.inflight_of([e.item.group_id for e in entries])
@@ -102,6 +109,23 @@ class Batcher:
         for group_id in self.ledger.expired(self.cfg.group_timeout_s):
             if not self.assembler.is_complete(group_id):
                 self._drop(group_id, "timeout_dropped", f"incomplete after {self.cfg.group_timeout_s} s")
+
+    def end_lost_workers_groups(self) -> None:
+        """End the unfinished groups of env-workers that are gone (heartbeat expired, or restarted as a new
+        incarnation), so their slots return in seconds instead of after group_timeout_s. A complete group
+        already read is kept: every member is in hand, so it is trained as usual.
+
+        A group ends only if its worker is still gone at the next check, after at least one more read that
+        drained the stream: a worker that stops gracefully writes its last trajectories and drop notices, then
+        deletes its heartbeat, and those entries must be read first (complete groups are trained, reported ones
+        end as failed_dropped)."""
+        lost = self.ledger.lost_groups()
+        confirmed = {g: rank for g, rank in lost.items() if g in self._suspects}
+        self._suspects = set(lost)
+        for group_id, rank in confirmed.items():
+            if not self.assembler.is_complete(group_id):
+                self._drop(group_id, "worker_lost_dropped", f"env-worker {rank} is gone (heartbeat expired or "
+                           "restarted)")
 
     def _drop(self, group_id: str, outcome: str, reason: str) -> None:
         self._end(group_id, outcome, self.assembler.discard(group_id), reason)

@@ -37,6 +37,8 @@ class StreamReader:
         self._pending_cursor: bytes | str | None = "0"
         """Where to continue re-reading our own pending entries; None once they are exhausted."""
         self._last_read = 0
+        self.drained = False
+        """The last read asked for new entries and got less than a page: everything written before it is in hand."""
         self.dead_letters = 0
         self.ensure_group()
 
@@ -69,6 +71,7 @@ class StreamReader:
             return []
         raw = reply[0][1] if reply else []
         self._last_read = len(raw)
+        self.drained = not rereading and len(raw) < self.count
         if rereading:
             self._pending_cursor = raw[-1][0] if raw else None
         return self._decode(raw)
