@@ -25,7 +25,6 @@ from pydantic.dataclasses import dataclass
 if TYPE_CHECKING:
     from rollstream.shared.layout import Layout
 
-from rollstream.shared.hosts import HostsConfig
 
 
 class ConfigError(ValueError):
@@ -313,6 +312,55 @@ class TrainWorkerConfig(WorkerConfig):
     """Model loading for training."""
     strategy_args: TrainStrategyArgs = field(default_factory=TrainStrategyArgs)
     """The training backend."""
+
+
+AUTO = "auto"
+"""hosts.machines.<name>.env_workers: a share of the env-worker ranks no host lists."""
+
+
+@dataclass(config=SCHEMA)
+class MachineConfig:
+    """One host."""
+
+    address: str = "127.0.0.1"
+    """How the other hosts reach this one; the Redis URL uses it when this host runs Redis."""
+    env_workers: Any = field(default_factory=list)
+    """Env-worker ranks this host runs: a list of ranks, or "auto" for a share of the ranks no host lists."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra environment of every program on this host (e.g. CUDA_VISIBLE_DEVICES)."""
+
+
+@dataclass(config=SCHEMA)
+class RedisPlacement:
+    """Where Redis runs."""
+
+    host: str | None = None
+    """The host whose supervisord runs Redis from deploy/redis.conf; unset: an external Redis, reached at
+    redis.url or ROLLSTREAM_REDIS_URL."""
+    port: int = 6379
+    """The port of that Redis (deploy/redis.conf is started with it)."""
+
+
+@dataclass(config=SCHEMA)
+class TrainerPlacement:
+    """Where the trainer runs."""
+
+    host: str | None = None
+    """The host that runs the trainer."""
+    ranks: int = 1
+    """Trainer processes on that host (one per GPU); more than one are launched with torchrun."""
+
+
+@dataclass(config=SCHEMA)
+class HostsConfig:
+    """Unset (no machines): everything runs on one machine (`rollstream run`)."""
+
+    redis: RedisPlacement = field(default_factory=RedisPlacement)
+    """Which host runs Redis, and its port."""
+    trainer: TrainerPlacement = field(default_factory=TrainerPlacement)
+    """Which host runs the trainer, with how many ranks."""
+    machines: dict[str, MachineConfig] = field(default_factory=dict)
+    """Every host by name, with what it runs (checked by shared/hosts.py)."""
 
 
 @dataclass(config=SCHEMA)

@@ -14,53 +14,15 @@ exactly one host, named in a list or dealt out to the hosts that say `auto`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-AUTO = "auto"
-
-
-@dataclass
-class MachineConfig:
-    """One host."""
-
-    address: str = "127.0.0.1"
-    """How the other hosts reach this one; the Redis URL uses it when this host runs Redis."""
-    env_workers: Any = field(default_factory=list)
-    """Env-worker ranks this host runs: a list of ranks, or "auto" for a share of the ranks no host lists."""
-    env: dict[str, str] = field(default_factory=dict)
-    """Extra environment of every program on this host (e.g. CUDA_VISIBLE_DEVICES)."""
-
-
-@dataclass
-class RedisPlacement:
-    host: str | None = None
-    """The host whose supervisord runs Redis from deploy/redis.conf; unset: an external Redis, reached at
-    redis.url or ROLLSTREAM_REDIS_URL."""
-    port: int = 6379
-
-
-@dataclass
-class TrainerPlacement:
-    host: str | None = None
-    """The host that runs the trainer."""
-    ranks: int = 1
-    """Trainer processes on that host (one per GPU); more than one are launched with torchrun."""
-
-
-@dataclass
-class HostsConfig:
-    """Unset (no machines): everything runs on one machine (`rollstream run`)."""
-
-    redis: RedisPlacement = field(default_factory=RedisPlacement)
-    trainer: TrainerPlacement = field(default_factory=TrainerPlacement)
-    machines: dict[str, MachineConfig] = field(default_factory=dict)
+from rollstream.shared.config import AUTO, ConfigError, HostsConfig
 
 
 @dataclass(frozen=True)
 class HostRole:
     """What one host runs."""
-
     name: str
     address: str
     redis: bool
@@ -72,8 +34,6 @@ class HostRole:
 
 def plan_hosts(hosts: HostsConfig, num_workers: int) -> dict[str, HostRole]:
     """Check the hosts section against the env layout's `num_workers` ranks; what each host runs."""
-    from rollstream.shared.config import ConfigError
-
     names = list(hosts.machines)
     if not names:
         if hosts.redis.host or hosts.trainer.host:
@@ -100,7 +60,6 @@ def plan_hosts(hosts: HostsConfig, num_workers: int) -> dict[str, HostRole]:
 
 
 def _known(name: str | None, key: str, names: list[str], *, required: bool) -> None:
-    from rollstream.shared.config import ConfigError
 
     if name is None:
         if required:
@@ -112,8 +71,6 @@ def _known(name: str | None, key: str, names: list[str], *, required: bool) -> N
 
 def _deal_ranks(hosts: HostsConfig, num_workers: int) -> dict[str, tuple[int, ...]]:
     """Listed ranks stay where they are; the rest are dealt in contiguous, even runs to the `auto` hosts."""
-    from rollstream.shared.config import ConfigError
-
     owner: dict[int, str] = {}
     auto: list[str] = []
     listed: dict[str, list[int]] = {}
@@ -142,7 +99,6 @@ def _deal_ranks(hosts: HostsConfig, num_workers: int) -> dict[str, tuple[int, ..
 
 
 def _rank_list(value: Any, key: str, num_workers: int) -> list[int]:
-    from rollstream.shared.config import ConfigError
 
     if value is None:
         return []
@@ -179,8 +135,6 @@ def describe_hosts(roles: dict[str, HostRole]) -> str:
 
 def role_of(roles: dict[str, HostRole], host: str) -> HostRole:
     """The named host's role; an error naming the known hosts otherwise."""
-    from rollstream.shared.config import ConfigError
-
     if not roles:
         raise ConfigError("the config has no hosts section (hosts.machines): nothing to deploy; see "
                           "configs/two_hosts_scripted.yaml")

@@ -8,7 +8,8 @@ import sys
 import pytest
 
 from rollstream.cli import main
-from rollstream.shared.hosts import HostsConfig, MachineConfig, TrainerPlacement, plan_hosts
+from rollstream.shared.config import HostsConfig, MachineConfig, TrainerPlacement
+from rollstream.shared.hosts import plan_hosts
 from tests.conftest import REPO
 
 TWO_HOSTS = REPO / "configs" / "two_hosts_scripted.yaml"
