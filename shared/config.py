@@ -127,6 +127,20 @@ def check_redis_url(url: str | None) -> str | None:
     return url
 
 
+TURN_FIELDS = ("turn_idx", "observation", "actions_left", "max_response_length")
+
+
+def check_turn_template(template: str | None) -> str | None:
+    if template is None:
+        return None
+    try:
+        template.format(**{name: 1 for name in TURN_FIELDS})
+    except (KeyError, IndexError, ValueError) as e:
+        raise ValueError(f"cannot fill the template ({type(e).__name__}: {e}); its fields are "
+                         f"{', '.join('{' + n + '}' for n in TURN_FIELDS)} (write {{{{ and }}}} for braces)") from None
+    return template
+
+
 def check_resume(value: Any) -> bool | str:
     if isinstance(value, (bool, str)):
         return value
@@ -158,6 +172,10 @@ class CustomEnvConfig:
     """Most tokens the policy may generate in one reply (capped further by generating_args.max_new_tokens)."""
     env_config: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of the env's constructor (checked against it at load time)."""
+    agent_system_template: str | None = None
+    """ROLL's system prompt text, put before the env's rules, symbols and actions; unset: those alone."""
+    agent_template: Annotated[str | None, AfterValidator(check_turn_template)] = None
+    """ROLL's user message of a turn, with {turn_idx}, {observation}, {actions_left}, {max_response_length}."""
 
 
 XSB_VOCAB = {"wall": "#", "empty": "-", "target": ".", "box": "$", "box_on_target": "*", "player": "@",
