@@ -42,6 +42,8 @@ InferDtype = Literal["fp32", "bf16", "fp16"]
 TrainDtype = Literal["fp32", "bf16"]
 """fp32, or bf16 mixed precision (fp32 master weights); fp16 training would need loss scaling."""
 LrScheduler = Literal["constant", "linear", "cosine"]
+ZeroStage = Literal[1, 2, 3]
+"""DeepSpeed ZeRO: 1 shards optimizer states, 2 also gradients, 3 also parameters."""
 OldLogprobs = Literal["engine", "recompute"]
 AdvEstimator = Literal["grpo", "reinforce", "gigpo"]
 StdNormalize = Literal["group", "none"]

@@ -33,10 +33,10 @@ import deepspeed
 import torch
 
 from rollstream.consumer.learn.strategy import ModelSettings, OptimSettings, causal_lm_logits, load_model, make_scheduler
-from rollstream.shared.config import ConfigError
+from rollstream.shared.config import ConfigError, ZeroStage, choices
 from rollstream.shared.weights_io import save_pretrained_atomically
 
-ZERO_STAGES = (1, 2, 3)
+ZERO_STAGES = choices(ZeroStage)
 CHECKPOINT_TAG = "state"
 
 
