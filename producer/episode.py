@@ -14,7 +14,6 @@ from rollstream.producer.policy.conversation import ChatTemplateDeltas, Conversa
 from rollstream.shared.config import GeneratingArgs
 from rollstream.shared.envs.base import TextEnv
 from rollstream.shared.envs.render import save_frame
-from rollstream.shared.envs.text import turn_prompt
 from rollstream.shared.schema import Trajectory, Turn, make_group_id, make_traj_id
 from rollstream.shared.seeding import turn_seed
 
@@ -63,7 +62,7 @@ async def play_episode(env: TextEnv, policy: Policy, spec: EpisodeSpec, sampling
     score, success, end_reason = 0.0, False, "max_actions"
     frames = _FrameWriter(render_dir, spec, env)
     for t in range(env.max_actions_per_traj):
-        user = turn_prompt(t + 1, observation, env.actions_left, sampling.max_tokens)
+        user = env.turn_message(t + 1, observation, sampling.max_tokens)
         if not transcript.add_user(user):
             end_reason = "max_length"
             break

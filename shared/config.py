@@ -9,18 +9,25 @@ The allowed values of a key are a Literal type here, used by the checks, the err
 
 from __future__ import annotations
 
-import ast
 import os
-import re
 from collections.abc import Sequence
 from dataclasses import field
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal, get_args
-from urllib.parse import urlsplit
 
 from pydantic import AfterValidator, BeforeValidator, ConfigDict, Field
 from pydantic.dataclasses import dataclass
+
+from rollstream.shared.config_values import (
+    attn_alias,
+    check_exp_name,
+    check_redis_url,
+    check_resume,
+    check_turn_template,
+    parse_int_list,
+    redact_url,
+)
 
 if TYPE_CHECKING:
     from rollstream.shared.layout import Layout
@@ -37,13 +44,14 @@ InferDtype = Literal["fp32", "bf16", "fp16"]
 TrainDtype = Literal["fp32", "bf16"]
 """fp32, or bf16 mixed precision (fp32 master weights); fp16 training would need loss scaling."""
 LrScheduler = Literal["constant", "linear", "cosine"]
+ZeroStage = Literal[1, 2, 3]
+"""DeepSpeed ZeRO: 1 shards optimizer states, 2 also gradients, 3 also parameters."""
 OldLogprobs = Literal["engine", "recompute"]
 AdvEstimator = Literal["grpo", "reinforce", "gigpo"]
 StdNormalize = Literal["group", "none"]
 AttnImplementation = Literal["eager", "sdpa", "flash_attention_2"]
 WeightsTransport = Literal["filesystem", "redis"]
 WandbMode = Literal["online", "offline", "disabled"]
-REDIS_SCHEMES = ("redis", "rediss", "unix")
 
 MAX_ENV_GROUPS = 100_000
 """Bounds that keep a typo (num_env_groups: 10**12) an error, not a MemoryError while laying groups out."""
@@ -54,92 +62,6 @@ MAX_ENVS_PER_WORKER = 1_000_000
 def choices(literal: Any) -> tuple[Any, ...]:
     """The allowed values of a Literal type, e.g. `choices(TrainDtype)` -> ('fp32', 'bf16')."""
     return get_args(literal)
-
-
-def parse_int_list(value: Any) -> Any:
-    """ROLL writes GPU lists as Python: `list(range(0,4))`, `[0,1]+list(range(4,8))`. Read those; pass the rest on."""
-    if not isinstance(value, str):
-        return value
-    try:
-        return _eval_int_list(ast.parse(value.strip(), mode="eval").body)
-    except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError, OverflowError) as e:
-        raise ValueError(f"cannot read {value!r} as a list of integers ({e}); write [0, 1, 2, 3] or "
-                         "list(range(0,4))") from None
-
-
-def _eval_int_list(node: ast.expr) -> list[int]:
-    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
-        return _eval_int_list(node.left) + _eval_int_list(node.right)
-    if isinstance(node, ast.List):
-        return [_int_constant(e) for e in node.elts]
-    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "list"
-            and len(node.args) == 1 and isinstance(node.args[0], ast.Call)
-            and isinstance(node.args[0].func, ast.Name) and node.args[0].func.id == "range"):
-        bounds = [_int_constant(a) for a in node.args[0].args]
-        if not 1 <= len(bounds) <= 3 or any(abs(b) > MAX_ENVS_PER_WORKER for b in bounds):
-            raise ValueError("range() takes 1 to 3 small integers")
-        return list(range(*bounds))
-    raise ValueError("only integer lists, list(range(...)) and + are understood")
-
-
-def _int_constant(node: ast.expr) -> int:
-    if isinstance(node, ast.Constant) and type(node.value) is int:
-        return node.value
-    raise ValueError("not an integer")
-
-
-def check_exp_name(name: str) -> str:
-    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", name):
-        raise ValueError("use letters, digits, '.', '_' and '-' (1 to 100, starting with a letter or digit): the "
-                         "name makes Redis keys rollstream:<exp_name>:*, so a colon, a space or a glob character "
-                         "(*?[]) would mix it up with other experiments' keys")
-    return name
-
-
-def redact_url(url: str) -> str:
-    """The URL with any password (user:password@ or ?password=) replaced by ***: for output, files and logs."""
-    try:
-        parts = urlsplit(url)
-        password = parts.password
-    except ValueError:
-        return "<unparseable URL>"
-    netloc = parts.netloc
-    if password is not None:
-        user_info, _, host = netloc.rpartition("@")
-        netloc = f"{user_info.split(':', 1)[0]}:***@{host}"
-    query = re.sub(r"(^|&)(password=)[^&]*", r"\1\2***", parts.query)
-    return parts._replace(netloc=netloc, query=query).geturl()
-
-
-def check_redis_url(url: str | None) -> str | None:
-    if url is None:
-        return None
-    try:
-        parts = urlsplit(url)
-        parts.port  # noqa: B018 - parsing the port raises on a bad one
-    except ValueError as e:
-        raise ValueError(f"not a URL ({e})") from None
-    if parts.scheme not in REDIS_SCHEMES:
-        raise ValueError("must be redis://[user:password@]host:port/db, rediss://... (TLS) or unix:///path/to.sock; "
-                         "leave unset to start an embedded server")
-    if parts.scheme != "unix" and not parts.hostname:
-        raise ValueError("names no host: write redis://host:6379/0")
-    if parts.scheme == "unix" and not parts.path:
-        raise ValueError("names no socket path: write unix:///path/to/redis.sock")
-    return url
-
-
-def check_resume(value: Any) -> bool | str:
-    if isinstance(value, (bool, str)):
-        return value
-    if value is None:
-        return False
-    raise ValueError("must be false (start fresh), true (the latest checkpoint under output_dir) or the path of a "
-                     "checkpoint dir .../step_<n>")
-
-
-def _attn_alias(value: Any) -> Any:
-    return "flash_attention_2" if value == "fa2" else value  # ROLL's name for the same kernel
 
 
 PositiveInt = Annotated[int, Field(ge=1)]
@@ -160,6 +82,10 @@ class CustomEnvConfig:
     """Most tokens the policy may generate in one reply (capped further by generating_args.max_new_tokens)."""
     env_config: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of the env's constructor (checked against it at load time)."""
+    agent_system_template: str | None = None
+    """ROLL's system prompt text, put before the env's rules, symbols and actions; unset: those alone."""
+    agent_template: Annotated[str | None, AfterValidator(check_turn_template)] = None
+    """ROLL's user message of a turn, with {turn_idx}, {observation}, {actions_left}, {max_response_length}."""
 
 
 XSB_VOCAB = {"wall": "#", "empty": "-", "target": ".", "box": "$", "box_on_target": "*", "player": "@",
@@ -270,7 +196,7 @@ class ModelArgs:
     """Compute dtype."""
     model_type: Literal["causal_lm"] | None = None
     """Only causal LMs load (AutoModelForCausalLM): unset or causal_lm."""
-    attn_implementation: Annotated[AttnImplementation, BeforeValidator(_attn_alias)] = "sdpa"
+    attn_implementation: Annotated[AttnImplementation, BeforeValidator(attn_alias)] = "sdpa"
     """transformers' attention kernel; ROLL's fa2 reads as flash_attention_2."""
     disable_gradient_checkpointing: bool = True
     """false recomputes activations in backward (less memory, slower)."""

@@ -12,7 +12,7 @@ from typing import Annotated, Any
 from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
 from pydantic.dataclasses import dataclass
 
-from rollstream.shared.config import ConfigError, RollstreamConfig, StrategyArgs
+from rollstream.shared.config import ConfigError, RollstreamConfig, StrategyArgs, ZeroStage
 from rollstream.shared.hosts import plan_hosts
 
 _OPTIONS = ConfigDict(extra="forbid", use_attribute_docstrings=True, allow_inf_nan=False)
@@ -68,7 +68,7 @@ class TorchTrainOptions:
 
 @dataclass(config=_OPTIONS)
 class DeepSpeedOptions:
-    zero_stage: Annotated[int, Field(ge=1, le=3)] = 2
+    zero_stage: ZeroStage = 2
     """ZeRO stage: 1 shards optimizer states, 2 also gradients, 3 also parameters."""
 
 

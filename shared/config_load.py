@@ -20,9 +20,10 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from pydantic import TypeAdapter, ValidationError
 
-from rollstream.shared.config import ConfigError, RollstreamConfig, as_dict, redact_url
+from rollstream.shared.config import ConfigError, RollstreamConfig, as_dict
 from rollstream.shared.config_checks import check_config
 from rollstream.shared.config_compose import compose, interpolated_roots
+from rollstream.shared.config_values import redact_url
 from rollstream.shared.roll_keys import ROLL_TOP_KEYS, translate
 
 ConfigPaths = Union[str, "os.PathLike[str]", Sequence[Union[str, "os.PathLike[str]"]], None]

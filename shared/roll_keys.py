@@ -85,17 +85,24 @@ ROLL_KEYS: tuple[RollKey, ...] = (
         "env_type", "env_config", "max_tokens_per_step", "max_actions_per_traj")),
     RollKey("custom_envs.<tag>.env_manager_cls", "mapped", "one env loop for every env (producer/episode.py)"),
     RollKey("custom_envs.<tag>.use_thread_lock", "mapped", "each env runs in its own coroutine; no lock needed"),
-    RollKey("custom_envs.<tag>.agent_system_template", "refused", "not supported yet: the env writes its "
-            "prompts (shared/envs/text.py)"),
-    RollKey("custom_envs.<tag>.agent_template", "refused", "not supported yet: the env writes its prompts"),
+    RollKey("custom_envs.<tag>.agent_system_template", "honoured", "the system prompt, before the env's rules, "
+            "symbols and actions"),
+    RollKey("custom_envs.<tag>.agent_template", "honoured", "each turn's user message, with {turn_idx}, "
+            "{observation}, {actions_left}, {max_response_length}"),
+    RollKey("custom_envs.<tag>.env_config.action_pattern", "honoured", "regex whose first group is the action "
+            "(first match in the reply), e.g. <answer>(.*?)</answer>"),
+    RollKey("custom_envs.<tag>.env_config.format_penalty", "honoured", "reward of a reply with no valid action"),
+    RollKey("custom_envs.<tag>.max_steps", "mapped", "read as max_actions_per_traj (which wins when both are set)"),
+    RollKey("custom_envs.<tag>.env_config.max_steps", "mapped", "the episode ends after the tag's "
+            "max_actions_per_traj turns"),
 )
 
 ROLL_TOP_KEYS = {k.key for k in ROLL_KEYS if "." not in k.key and "<" not in k.key}
 """ROLL's own top-level keys: never mistaken for interpolation variables."""
 _MAPPED_TOP = {k.key: k.note for k in ROLL_KEYS if k.status == "mapped" and "." not in k.key and "<" not in k.key}
 _REFUSED_TOP = {k.key: k.note for k in ROLL_KEYS if k.status == "refused" and "." not in k.key}
-_ENV_NOTES = {k.key.rsplit(".", 1)[1]: k for k in ROLL_KEYS if k.key.startswith("custom_envs.<tag>.")
-              and k.status != "honoured"}
+_ENV_NOTES = {k.key.removeprefix("custom_envs.<tag>."): k for k in ROLL_KEYS
+              if k.key.startswith("custom_envs.<tag>.") and k.status != "honoured"}
 _MEGATRON_PARALLEL = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
                       "expert_model_parallel_size", "virtual_pipeline_model_parallel_size")
 
@@ -199,7 +206,23 @@ def _translate_env(tag: str, entry: Any, notices: list[str]) -> Any:
     if not isinstance(entry, dict):
         return entry
     entry = dict(entry)
+    env_config = entry.get("env_config")
+    if isinstance(env_config, dict) and "max_steps" in env_config:
+        env_config = dict(env_config)
+        value = env_config.pop("max_steps")
+        entry["env_config"] = env_config
+        notices.append(f"custom_envs.{tag}.env_config.max_steps={_short(value)}: the episode ends after "
+                       f"custom_envs.{tag}.max_actions_per_traj turns")
+    if "max_steps" in entry:  # ROLL's turn limit on the tag; rollstream's name for it is max_actions_per_traj
+        value = entry.pop("max_steps")
+        read = "max_actions_per_traj" not in entry
+        if read:
+            entry["max_actions_per_traj"] = value
+        notices.append(f"custom_envs.{tag}.max_steps={_short(value)}: " + (
+            "read as max_actions_per_traj" if read else "max_actions_per_traj, also set, wins"))
     for key, roll_key in _ENV_NOTES.items():
+        if "." in key:
+            continue
         if key not in entry:
             continue
         if roll_key.status == "refused":

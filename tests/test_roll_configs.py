@@ -109,7 +109,10 @@ def test_anything_else_in_a_device_list_is_refused(value: str) -> None:
     ("actor_infer.generating_args.num_return_sequences=4", "num_return_sequences=4: must be 1"),
     ("actor_infer.generating_args.num_beams=4", "num_beams=4: must be 1"),
     ("actor_train.model_args.model_type=value_head", "model_type='value_head': must be 'causal_lm'"),
-    ("custom_envs.FrozenLake.agent_template=x", "custom_envs.FrozenLake.agent_template: not supported yet"),
+    ("custom_envs.FrozenLake.agent_template='Turn {turn}'",
+     r"custom_envs.FrozenLake.agent_template='Turn \{turn\}': cannot fill the template.*\{turn_idx\}"),
+    ("custom_envs.FrozenLake.env_config.action_pattern='<answer>(.*'",
+     "custom_envs.FrozenLake.env_config: action_pattern '<answer>.*' is not a regular expression"),
 ])
 def test_roll_keys_rollstream_cannot_honour_are_refused(override: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message):

@@ -23,8 +23,8 @@ def test_the_hydra_example_composes_its_env_definitions() -> None:
     loaded = load(PIPELINE)
     cfg, notices = loaded.cfg, loaded.notices
     assert any(n.startswith("agent_val_sokoban.yaml: hydra: section unused") for n in notices)
-    assert any(n.startswith("custom_env, env_manager_cls, max_actions_per_traj, max_tokens_per_step: variables")
-               for n in notices)
+    assert any(n.startswith("agent_system_template, agent_template, custom_env, env_manager_cls, "
+                            "max_actions_per_traj, max_tokens_per_step: variables") for n in notices)
     larger = cfg.custom_envs["LargerSokoban"]
     assert (larger.env_type, larger.env_config["dim_room"], larger.max_actions_per_traj) == ("sokoban", [8, 8], 10)
     assert cfg.custom_envs["SokobanDifferentGridVocab"].env_config["grid_vocab"]["box_on_target"] == "√"
@@ -85,3 +85,29 @@ custom_envs:
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "trainer done: version 2" in proc.stderr
     assert "hydra: section unused" in proc.stderr  # the notices are logged by run too
+
+
+def test_roll_env_definitions_shape_prompts_and_parsing() -> None:
+    from rollstream.shared.envs.registry import make_env
+
+    loaded = load(PIPELINE)
+    assert "custom_envs.SimpleSokoban.max_steps=10: read as max_actions_per_traj" in loaded.notices
+    assert any(n.startswith("custom_envs.SimpleSokoban.env_config.max_steps=100: the episode ends after")
+               for n in loaded.notices)
+    env = make_env("SimpleSokoban", loaded.cfg.custom_envs)
+    observation, _ = env.reset(seed=3)
+    assert env.system_prompt().startswith("You're a helpful assistant. You are a good game player.")
+    assert "Actions: Up, Down, Left, Right." in env.system_prompt()
+    message = env.turn_message(1, observation, 64)
+    assert message.startswith(f"Turn 1:\nState:\n{observation}\nYou have 10 actions left.")
+    assert "Max response length: 64 words (tokens)." in message
+    # action_pattern: the first <answer> anywhere in the reply, as ROLL reads it; format_penalty -0.05 otherwise
+    *_, info = env.step("<think>go</think> then <answer>Left</answer> and more text")
+    assert info["action"] == "Left"
+    _, reward, *_ = env.step("Left")
+    assert reward == -0.05
+    # A tag without templates keeps the built-in prompts and the strict reply format.
+    lake = make_env("FrozenLake", loaded.cfg.custom_envs)
+    observation, _ = lake.reset(seed=0)
+    assert lake.turn_message(1, observation, 64).startswith("Turn 1\nState:")
+    assert lake.step("x <answer>Left</answer>")[4]["action"] is None

@@ -10,7 +10,7 @@ import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
 
-from rollstream.shared.envs.text import parse_action, reply_instructions
+from rollstream.shared.envs.text import compile_action_pattern, parse_action, reply_instructions, turn_prompt
 
 MAX_REPLY_CHARS = 8192
 """Longest reply the action space describes; longer replies are still parsed, just outside the space."""
@@ -34,11 +34,19 @@ class TextEnv(gym.Env[str, str], ABC):
     metadata = {"render_modes": ["rgb_array"], "render_fps": 2}
     action_names: tuple[str, ...] = ()
 
-    def __init__(self, *, max_actions_per_traj: int = 10, format_penalty: float = -0.1) -> None:
+    def __init__(self, *, max_actions_per_traj: int = 10, format_penalty: float = -0.1,
+                 action_pattern: str | None = None) -> None:
         self.max_actions_per_traj = check_positive_int("max_actions_per_traj", max_actions_per_traj)
         if isinstance(format_penalty, bool) or not isinstance(format_penalty, (int, float)):
             raise ValueError(f"format_penalty must be a number, got {format_penalty!r}")
         self.format_penalty = float(format_penalty)
+        self.action_pattern = compile_action_pattern(action_pattern)
+        """ROLL's env_config.action_pattern: a regex whose first group (or whole match) is the action."""
+        self.system_template: str | None = None
+        """ROLL's agent_system_template: put before the env's own rules (see `use_templates`)."""
+        self.turn_template: str | None = None
+        """ROLL's agent_template: the user message of a turn, with {turn_idx}, {observation}, {actions_left} and
+        {max_response_length}."""
         self.render_mode = "rgb_array"
         # Replies are free text; the charset only describes what `sample()` draws.
         self.action_space = spaces.Text(max_length=MAX_REPLY_CHARS, min_length=0, charset=string.printable)
@@ -77,16 +85,23 @@ class TextEnv(gym.Env[str, str], ABC):
 
     # ---- the gymnasium interface ----
 
+    def use_templates(self, system_template: str | None, turn_template: str | None) -> None:
+        """ROLL's agent_system_template and agent_template for this env's prompts (None keeps the built-in ones)."""
+        self.system_template, self.turn_template = system_template, turn_template
+
     def system_prompt(self) -> str:
-        """Rules, symbols, valid actions and the reply format."""
-        return "\n".join(
-            [
-                self.rules(),
-                f"Symbols: {self.legend()}.",
-                f"Actions: {', '.join(self.action_names)}.",
-                reply_instructions(self.action_names),
-            ]
-        )
+        """Rules, symbols, valid actions and the reply format (after agent_system_template, when set)."""
+        rules = [self.rules(), f"Symbols: {self.legend()}.", f"Actions: {', '.join(self.action_names)}."]
+        if self.action_pattern is None:
+            rules.append(reply_instructions(self.action_names))
+        return "\n".join([self.system_template, *rules] if self.system_template else rules)
+
+    def turn_message(self, turn: int, observation: str, max_response_tokens: int) -> str:
+        """The user message of turn `turn` (from 1): agent_template when set, else the built-in one."""
+        if self.turn_template is None:
+            return turn_prompt(turn, observation, self.actions_left, max_response_tokens)
+        return self.turn_template.format(turn_idx=turn, observation=observation, actions_left=self.actions_left,
+                                         max_response_length=max_response_tokens)
 
     @property
     def actions_left(self) -> int:
@@ -106,7 +121,7 @@ class TextEnv(gym.Env[str, str], ABC):
         """Parse `reply`, play its action (or charge the format penalty) and report the new state."""
         if self._done:
             raise RuntimeError(f"{type(self).__name__}.step() called without reset() or after the episode ended")
-        action = parse_action(reply, self.action_names) if isinstance(reply, str) else None
+        action = parse_action(reply, self.action_names, self.action_pattern) if isinstance(reply, str) else None
         self._turn += 1
         if action is None:
             reward, terminated = self.format_penalty, False

@@ -82,6 +82,8 @@ def make_env(tag: str, custom_envs: Mapping[str, CustomEnvConfig]) -> TextEnv:
         raise ValueError(f"custom_envs.{tag}.{e}") from e
     try:
         _check_env_config(cls, spec.env_config)
-        return cls(**spec.env_config, max_actions_per_traj=spec.max_actions_per_traj)
+        env = cls(**spec.env_config, max_actions_per_traj=spec.max_actions_per_traj)
+        env.use_templates(spec.agent_system_template, spec.agent_template)
+        return env
     except ValueError as e:
         raise ValueError(f"custom_envs.{tag}.env_config: {e}") from e

@@ -18,12 +18,35 @@ _REPLY = re.compile(
 )
 
 
-def parse_action(reply: str, action_names: Sequence[str]) -> str | None:
-    """The action named in a well-formed reply, spelled as in `action_names`; None for anything else."""
-    match = _REPLY.fullmatch(reply)
-    if match is None:
+def compile_action_pattern(pattern: str | None) -> re.Pattern[str] | None:
+    """ROLL's env_config.action_pattern, e.g. `<answer>(.*?)</answer>`; a bad regex is a ValueError."""
+    if pattern is None:
         return None
-    answer = match.group(1).strip().casefold()
+    if not isinstance(pattern, str):
+        raise ValueError(f"action_pattern must be a regular expression string, got {pattern!r}")
+    try:
+        return re.compile(pattern, re.DOTALL)
+    except re.error as e:
+        raise ValueError(f"action_pattern {pattern!r} is not a regular expression ({e})") from None
+
+
+def parse_action(reply: str, action_names: Sequence[str], pattern: re.Pattern[str] | None = None) -> str | None:
+    """The action named in a well-formed reply, spelled as in `action_names`; None for anything else.
+
+    With `pattern` (ROLL's action_pattern) the first match anywhere in the reply is read, as ROLL does: its first
+    group, or the whole match when it has none."""
+    if pattern is not None:
+        found = pattern.search(reply)
+        answer = (found.group(1) if found and pattern.groups else found.group(0) if found else None)
+        return _named_action(answer, action_names)
+    match = _REPLY.fullmatch(reply)
+    return None if match is None else _named_action(match.group(1), action_names)
+
+
+def _named_action(answer: str | None, action_names: Sequence[str]) -> str | None:
+    if answer is None:
+        return None
+    answer = answer.strip().casefold()
     for name in action_names:
         if name.casefold() == answer:
             return name

@@ -13,7 +13,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from rollstream.consumer.learn.advantages import AdvantageSettings, compute_advantages
 from rollstream.consumer.learn.learner import make_learner
 from rollstream.consumer.learn.policy_learner import PolicyLearner
-from rollstream.consumer.learn.strategy import make_strategy
 from rollstream.consumer.learn.tensors import build_token_batch
 from rollstream.shared.config import ConfigError
 from rollstream.shared.schema import Trajectory
@@ -174,18 +173,16 @@ def test_checkpoint_round_trip_resumes_exactly(tmp_path: Path, tiny_model: Path,
     resumed.close()
 
 
-def test_make_strategy_names_bad_options(tmp_path: Path, tiny_model: Path) -> None:
-    cfg = learner_config(tmp_path, tiny_model, "torch_train", "actor_train.strategy_args.strategy_config={gpus: 2}")
-    with pytest.raises(ConfigError, match="unknown key.*gpus.*valid: device"):
-        make_strategy(cfg)
-    cfg = learner_config(tmp_path, tiny_model, "torch_train",
-                         "actor_train.strategy_args.strategy_config={device: cpu, cpu_threads: 0}")
-    with pytest.raises(ConfigError, match="cpu_threads=0: must be a positive int"):
-        make_strategy(cfg)
-    cfg = learner_config(tmp_path, tiny_model, "deepspeed_train",
-                         "actor_train.strategy_args.strategy_config={zero_stage: 4}")
-    with pytest.raises(ConfigError, match="zero_stage=4"):
-        make_strategy(cfg)
+def test_bad_strategy_options_are_refused_when_the_config_loads(tmp_path: Path, tiny_model: Path) -> None:
+    # Checked with the config, before any process or model starts (not first inside make_strategy).
+    with pytest.raises(ConfigError, match="unknown key 'gpus' for torch_train; valid keys: device"):
+        learner_config(tmp_path, tiny_model, "torch_train", "actor_train.strategy_args.strategy_config={gpus: 2}")
+    with pytest.raises(ConfigError, match="strategy_config.cpu_threads=0: must be >= 1"):
+        learner_config(tmp_path, tiny_model, "torch_train",
+                       "actor_train.strategy_args.strategy_config={device: cpu, cpu_threads: 0}")
+    with pytest.raises(ConfigError, match="strategy_config.zero_stage=4: must be 1, 2 or 3"):
+        learner_config(tmp_path, tiny_model, "deepspeed_train",
+                       "actor_train.strategy_args.strategy_config={zero_stage: 4}")
 
 
 def test_batches_without_engine_logprobs_are_refused(tmp_path: Path, tiny_model: Path,

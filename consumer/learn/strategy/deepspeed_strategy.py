@@ -39,10 +39,10 @@ from rollstream.consumer.learn.strategy import (
     load_model,
     make_scheduler,
 )
-from rollstream.shared.config import ConfigError
+from rollstream.shared.config import ConfigError, ZeroStage, choices
 from rollstream.shared.weights_io import save_pretrained_atomically
 
-ZERO_STAGES = (1, 2, 3)
+ZERO_STAGES = choices(ZeroStage)
 CHECKPOINT_TAG = "state"
 
 
