@@ -10,7 +10,7 @@ import sys
 import time
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import Any
 
 import numpy as np
 from tqdm import tqdm
@@ -124,6 +124,5 @@ def _init_wandb(cfg: RollstreamConfig) -> Any:
     os.environ.setdefault("WANDB_CONSOLE", "off")
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    mode = cast(Literal["online", "offline", "disabled"], cfg.wandb_mode)  # checked by the config
-    return wandb.init(project=cfg.wandb_project, name=cfg.exp_name, mode=mode, dir=str(out),
+    return wandb.init(project=cfg.wandb_project, name=cfg.exp_name, mode=cfg.wandb_mode, dir=str(out),
                       config=as_dict(cfg), reinit="finish_previous")

@@ -189,7 +189,7 @@ def _producer(args: argparse.Namespace) -> int:
 
 
 def _trainer(args: argparse.Namespace) -> int:
-    from rollstream.consumer.learn.distributed import Follower, end_rank, start_rank
+    from rollstream.consumer.learn.distributed import Follower, LeaderLearner, end_rank, start_rank
     from rollstream.consumer.learn.strategy import launched_world_size
     from rollstream.consumer.train import run_trainer
 
@@ -199,13 +199,14 @@ def _trainer(args: argparse.Namespace) -> int:
         # Handlers only set a flag; the loop drains. Ranks > 0 of a multi-rank launch ignore it and wait for
         # rank 0's stop message, which rank 0 sends once its loop has drained.
         signal.signal(sig, lambda *_: stop.set())
-    learner = None
+    learner: LeaderLearner | None = None
     if launched_world_size() > 1:  # torchrun / deepspeed: every rank runs this command
-        learner = start_rank(cfg)
-        if isinstance(learner, Follower):
-            learner.run()
+        rank = start_rank(cfg)
+        if isinstance(rank, Follower):
+            rank.run()
             end_rank()
             return 0
+        learner = rank
     try:
         client = connect(_require_url(cfg), cfg.redis)
         summary = run_trainer(cfg, client, consumer=args.consumer, stop=stop, learner=learner)

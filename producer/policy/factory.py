@@ -33,7 +33,8 @@ def make_policy(cfg: RollstreamConfig) -> Policy:
 
     # The engine computes in the trainer's dtype: "auto" picked bf16 on CPU, and then the behaviour logprobs
     # the PPO ratio is anchored on came from other numerics than the trainer's fp32.
-    defaults = {"max_model_len": cfg.sequence_length, "dtype": _VLLM_DTYPES[cfg.actor_infer.model_args.dtype]}
+    defaults: dict[str, Any] = {"max_model_len": cfg.sequence_length,
+                                "dtype": _VLLM_DTYPES[cfg.actor_infer.model_args.dtype]}
     return VLLMPolicy(cfg.pretrain, seed=cfg.seed, **(defaults | _checked(VLLMPolicy, options)))
 
 

@@ -121,7 +121,7 @@ def causal_lm_logits(model: Callable[..., Any], output_embeddings: torch.nn.Modu
 def make_scheduler(optimizer: Any, settings: OptimSettings) -> torch.optim.lr_scheduler.LRScheduler:
     """transformers' schedules, stepped once per optimizer step. Its "constant" ignores warmup, so a constant
     schedule with warmup steps becomes "constant_with_warmup"."""
-    name = settings.lr_scheduler_type
+    name: str = settings.lr_scheduler_type
     if name == "constant" and settings.warmup_steps > 0:
         name = "constant_with_warmup"
     return get_scheduler(name, optimizer, num_warmup_steps=settings.warmup_steps,
