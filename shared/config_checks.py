@@ -127,6 +127,9 @@ def _check_custom_envs(cfg: RollstreamConfig) -> None:
             message = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise ConfigError(message if message.startswith("custom_envs.") else f"custom_envs.{tag}: {message}") \
                 from None
+        except Exception as e:  # a user's env that cannot be built: say so here, not in every env-worker's log
+            raise ConfigError(f"custom_envs.{tag}: env_type {cfg.custom_envs[tag].env_type!r} could not be built: "
+                              f"{type(e).__name__}: {e}") from None
 
 
 def strategy_options(args: StrategyArgs, role: str) -> Any:

@@ -19,11 +19,17 @@ from tests.conftest import REPO
 CONFIG = REPO / "configs" / "frozen_lake_scripted.yaml"
 
 
-class EnvThatCannotStart(FrozenLakeEnv):
-    """A user's env whose constructor raises: its worker process crashes on start, every time."""
+class EnvThatCannotStartTwice(FrozenLakeEnv):
+    """A user's env that holds something exclusive: one instance per process builds (the config check's), the
+    next raises, so its env-worker process crashes on start, every time."""
+
+    built = 0
 
     def __init__(self, **kwargs: Any) -> None:
-        raise RuntimeError("this env cannot start")
+        type(self).built += 1
+        if type(self).built > 1:
+            raise RuntimeError("this env cannot start")
+        super().__init__(**kwargs)
 
 
 def _run(out: Path, *overrides: str) -> subprocess.Popen[str]:
@@ -65,7 +71,7 @@ def test_an_env_worker_killed_under_run_is_restarted_and_the_run_finishes(tmp_pa
 
 def test_an_env_worker_that_keeps_crashing_stops_the_run_with_its_log_named(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    run = _run(out, "custom_envs.FrozenLake.env_type=tests.test_launch:EnvThatCannotStart",
+    run = _run(out, "custom_envs.FrozenLake.env_type=tests.test_launch:EnvThatCannotStartTwice",
                "train_env_manager.tags=[FrozenLake]", "train_env_manager.num_groups_partition=null",
                "train_env_manager.num_env_groups=4", "train_env_manager.max_env_num_per_worker=32")
     _, stderr = run.communicate(timeout=240)

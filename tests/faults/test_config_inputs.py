@@ -4,16 +4,30 @@ traceback, and nothing started. Runs the real CLI entry point in-process (`rolls
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 
 from rollstream.cli import main
 from rollstream.shared.config import as_dict, dump_config, load_config
+from rollstream.shared.envs.frozen_lake import FrozenLakeEnv
 from tests.conftest import REPO
 
 SCRIPTED = REPO / "configs" / "frozen_lake_scripted.yaml"
 PASSWORD = "s3cret-pw"
+
+
+class EnvThatCannotStart(FrozenLakeEnv):
+    """A user's env whose constructor raises something other than a value error."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        raise RuntimeError("this env cannot start")
+
+
+def test_a_users_env_that_cannot_be_built_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = _show(capsys, str(SCRIPTED), f"custom_envs.FrozenLake.env_type={__name__}:EnvThatCannotStart")
+    _assert_one_line(code, err, "custom_envs.FrozenLake", "could not be built", "RuntimeError: this env cannot start")
 
 
 def _show(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
