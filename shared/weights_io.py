@@ -12,13 +12,16 @@ import hashlib
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlparse
 
 import torch
-import transformers
 from safetensors.torch import load_file
 
 from rollstream.shared import atomic
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 DIGEST_PREFIX = "sha256:"
 _CHUNK = 1 << 20
@@ -80,10 +83,10 @@ def write_atomically(final_dir: str | os.PathLike[str], write: Callable[[Path], 
 
 
 def save_pretrained_atomically(
-    model: transformers.PreTrainedModel,
+    model: PreTrainedModel,
     final_dir: str | os.PathLike[str],
     *,
-    tokenizer: transformers.PreTrainedTokenizerBase | None = None,
+    tokenizer: PreTrainedTokenizerBase | None = None,
     state_dict: dict[str, torch.Tensor] | None = None,
 ) -> str:
     """Publish a transformers model (and its tokenizer) as a safetensors directory; return its digest.
@@ -91,8 +94,10 @@ def save_pretrained_atomically(
     `state_dict` lets a sharded trainer pass the gathered full weights instead of the module's own.
     """
 
+    from transformers.utils import logging as transformers_logging  # here: env-workers never import it
+
     # transformers draws a "Writing model shards" bar per save: one per train step on the trainer's console
-    transformers.utils.logging.disable_progress_bar()
+    transformers_logging.disable_progress_bar()
     with atomic.staged_dir(final_dir) as tmp:
         model.save_pretrained(tmp, state_dict=state_dict)
         if tokenizer is not None:
