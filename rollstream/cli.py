@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 
 from rollstream.shared.codec import CodecError
 from rollstream.shared.config import ConfigError, RollstreamConfig, load_config, to_yaml
-from rollstream.shared.redis_io import RedisUnavailable, connect, resolve_url
+from rollstream.shared.redis_io import RedisDataLost, RedisUnavailable, connect, resolve_url
 
 log = logging.getLogger("rollstream")
 
@@ -30,7 +30,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         format="%(asctime)s %(levelname).1s %(name)s: %(message)s", datefmt="%H:%M:%S")
     try:
         return int(args.func(args) or 0)
-    except (ConfigError, RedisUnavailable, CodecError, FileNotFoundError) as e:
+    except (ConfigError, RedisUnavailable, RedisDataLost, CodecError, FileNotFoundError) as e:
         print(f"rollstream: error: {e}", file=sys.stderr)
         return EXIT_USAGE
 

@@ -77,6 +77,12 @@ class Keys:
         """Set while train admission is paused for a validation round; holds "<round> <version>"."""
         return f"{self.ns}:paused"
 
+    @property
+    def run(self) -> str:
+        """Hash of high-water marks that let processes notice writes Redis lost: `last_commit` (the id of the
+        trainer's last step commit) and `writes:<writer>` (how many entries each writer has written)."""
+        return f"{self.ns}:run"
+
     def worker(self, rank: int) -> str:
         """Heartbeat hash of one env-worker; expires when the worker stops beating."""
         return f"{self.ns}:worker:{rank}"

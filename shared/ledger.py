@@ -12,10 +12,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
+import uuid
+
 import redis
 import redis.asyncio
 
 from rollstream.shared.keys import TRAINER_GROUP, Keys
+from rollstream.shared.redis_io import RESUME_HINT, RedisDataLost
 
 OUTCOMES = ("trained", "stale_dropped", "timeout_dropped", "failed_dropped")
 """How an admitted group ends. All but trained return the group's slot, so another episode may start."""
@@ -58,6 +61,38 @@ return ended
 """
 
 
+# KEYS: version, counters, inflight, stream, control, weights, run
+# ARGV: new version, commit id, consumer group, number of groups,
+#       then per group: group id, number of entries, entry ids..., then the announcement's field/value pairs.
+# Returns {1, version} when committed, {0, version} when this commit id was already applied (a retried call),
+# {-1, version} when Redis is not at new version - 1 (it lost a commit, or another trainer committed).
+# One script, so a commit is all or nothing and a retry after a lost reply or a restart is a no-op.
+# allow-oom: a commit deletes a batch of entries and adds two small ones, so it must run at maxmemory.
+COMMIT_LUA = """#!lua flags=allow-oom
+if redis.call('HGET', KEYS[7], 'last_commit') == ARGV[2] then
+  return {0, tonumber(redis.call('GET', KEYS[1]) or '0')}
+end
+local version = tonumber(redis.call('GET', KEYS[1]) or '0')
+local new = tonumber(ARGV[1])
+if version ~= new - 1 then return {-1, version} end
+local i = 5
+for _ = 1, tonumber(ARGV[4]) do
+  local n = tonumber(ARGV[i + 1])
+  if redis.call('ZREM', KEYS[3], ARGV[i]) == 1 then redis.call('HINCRBY', KEYS[2], 'trained', 1) end
+  if n > 0 then
+    redis.call('XACK', KEYS[4], ARGV[3], unpack(ARGV, i + 2, i + 1 + n))
+    redis.call('XDEL', KEYS[4], unpack(ARGV, i + 2, i + 1 + n))
+  end
+  i = i + 2 + n
+end
+redis.call('SET', KEYS[1], new)
+redis.call('XADD', KEYS[6], '*', 'version', new, unpack(ARGV, i))
+redis.call('XADD', KEYS[5], 'MAXLEN', '~', 1000, '*', 'kind', 'version', 'version', new)
+redis.call('HSET', KEYS[7], 'last_commit', ARGV[2])
+return {1, new}
+"""
+
+
 @dataclass(frozen=True)
 class Admission:
     episode: int | None
@@ -94,6 +129,7 @@ class Ledger:
         self.client = client
         self.keys = keys
         self._finish = client.register_script(FINISH_LUA)
+        self._commit = client.register_script(COMMIT_LUA)
 
     def finish(self, group_id: str, outcome: str, entry_ids: Sequence[bytes | str], *,
                stream: str | None = None, pipe: redis.client.Pipeline | None = None) -> bool | None:
@@ -111,15 +147,25 @@ class Ledger:
 
     def commit_step(self, trained: Iterable[tuple[str, Sequence[bytes | str]]], new_version: int,
                     announcement: dict[str, str | int]) -> None:
-        """Atomically: mark the step's groups trained (ack+delete their entries) and publish the version."""
+        """Atomically: mark the step's groups trained (ack+delete their entries) and publish the version.
+
+        Safe to retry (redis-py retries on a dropped connection and reloads the script after a restart): the
+        commit carries a fresh id, and a commit whose id Redis already holds is not applied again. Raises
+        RedisDataLost when Redis is not at version new_version - 1."""
         k = self.keys
-        with self.client.pipeline(transaction=True) as pipe:
-            for group_id, entry_ids in trained:
-                self.finish(group_id, "trained", entry_ids, pipe=pipe)
-            pipe.set(k.version, new_version)
-            pipe.xadd(k.weights, {"version": new_version, **announcement})
-            pipe.xadd(k.control, {"kind": "version", "version": new_version}, maxlen=1000, approximate=True)
-            pipe.execute()
+        args: list[bytes | str | int] = [new_version, uuid.uuid4().hex, TRAINER_GROUP, 0]
+        for group_id, entry_ids in trained:
+            args += [group_id, len(entry_ids), *entry_ids]
+            args[3] = int(args[3]) + 1
+        for name, value in announcement.items():
+            args += [name, value]
+        status, version = self._commit(keys=[k.version, k.counters, k.inflight, k.traj, k.control, k.weights, k.run],
+                                       args=args)
+        if status == -1:
+            raise RedisDataLost(
+                f"cannot commit step {new_version - 1}: Redis holds policy version {version}, expected "
+                f"{new_version - 1}. Redis lost committed steps (a restart without its AOF, or an AOF behind) or "
+                f"another trainer runs experiment {k.ns}; {RESUME_HINT}")
 
     def announce(self, version: int, announcement: dict[str, str | int]) -> None:
         """Re-announce the weights of an already published version (a resumed trainer's model)."""

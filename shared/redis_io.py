@@ -19,6 +19,15 @@ class RedisUnavailable(RuntimeError):
     """Redis could not be reached; the message names the URL and what to check."""
 
 
+class RedisDataLost(RuntimeError):
+    """Redis no longer holds writes it acknowledged (a restart that lost its AOF tail, a server that came back
+    empty): the ledger cannot vouch for what was trained, so the process stops; the message says how to resume."""
+
+
+RESUME_HINT = ("the ledger in Redis can no longer vouch for which groups were trained. Start over with `rollstream "
+               "run --fresh` (with resume_from_checkpoint to keep the model), and run Redis with appendfsync always")
+
+
 def resolve_url(cfg: RedisConfig) -> str | None:
     """ROLLSTREAM_REDIS_URL wins over redis.url; None means "start an embedded server"."""
     return os.environ.get(URL_ENV) or cfg.url

@@ -7,11 +7,15 @@ the trainer's decoding or bookkeeping cannot hide itself from the check "nothing
 from __future__ import annotations
 
 import os
+import select
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +34,18 @@ GROUP_SIZE = 8
 
 
 class FaultRedis(EmbeddedRedis):
-    """An embedded server that a test kills, restarts on the same port and data, or stops and continues."""
+    """An embedded server that a test kills, restarts on the same port and data, or stops and continues.
+
+    The server is always started from one long-lived thread: PR_SET_PDEATHSIG fires when the *thread* that
+    started a child ends, so a restart from a short-lived thread (the proxy's) would kill the new server."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._starter = ThreadPoolExecutor(1, thread_name_prefix="redis-starter")
+
+    def start(self, timeout_s: float = 10.0) -> "FaultRedis":
+        self._starter.submit(super().start, timeout_s).result()
+        return self
 
     def restart(self) -> None:
         self.kill()
@@ -183,3 +198,75 @@ def audit(record: Path) -> Audit:
                                    ext_hook=lambda code, data: None)["body"]
             trained[(body["group_id"], body["member"])] += 1
     return Audit(trained)
+
+
+# ---- a TCP proxy that drops one reply: a command that ran but whose answer the client never got ----
+
+class ReplyDropper:
+    """Forwards connections to Redis; once armed, the first reply to a request containing `marker` (and at
+    least `min_reply` bytes long) is swallowed, `on_drop` runs, and that client connection is cut."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.marker: bytes | None = None
+        self.min_reply = 0
+        self.on_drop: Callable[[], None] = lambda: None
+        self.dropped = threading.Event()
+        self._closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def arm(self, marker: bytes, *, min_reply: int = 0, on_drop: Callable[[], None] = lambda: None) -> None:
+        self.marker, self.min_reply, self.on_drop = marker, min_reply, on_drop
+        self.dropped.clear()
+
+    def close(self) -> None:
+        self._closed = True
+        self.listener.close()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._pump, args=(client,), daemon=True).start()
+
+    def _pump(self, client: socket.socket) -> None:
+        try:
+            server = socket.create_connection(("127.0.0.1", self.upstream_port))
+        except OSError:
+            client.close()
+            return
+        watching = False  # this connection sent the marked request; its next reply is the one to drop
+        try:
+            while True:
+                ready, _, _ = select.select([client, server], [], [])
+                if client in ready:
+                    data = client.recv(1 << 16)
+                    if not data:
+                        return
+                    if self.marker is not None and self.marker in data:
+                        watching = True
+                    server.sendall(data)
+                if server in ready:
+                    data = server.recv(1 << 16)
+                    if not data:
+                        return
+                    if watching and self.marker is not None and len(data) >= self.min_reply:
+                        self.marker = None  # once
+                        self.on_drop()
+                        self.dropped.set()
+                        return
+                    watching = False
+                    client.sendall(data)
+        except OSError:
+            return
+        finally:
+            client.close()
+            server.close()
