@@ -15,8 +15,8 @@ import sys
 import threading
 import time
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,7 +43,7 @@ class FaultRedis(EmbeddedRedis):
         super().__init__(*args, **kwargs)
         self._starter = ThreadPoolExecutor(1, thread_name_prefix="redis-starter")
 
-    def start(self, timeout_s: float = 10.0) -> "FaultRedis":
+    def start(self, timeout_s: float = 10.0) -> FaultRedis:
         self._starter.submit(super().start, timeout_s).result()
         return self
 
