@@ -44,7 +44,9 @@ return {episode, version}
 # KEYS: inflight, counters, stream, control
 # ARGV: group id, outcome, return slot (0/1), consumer group, entry ids...
 # Returns 1 if this call ended the group, 0 if it had already ended (the entries are acked either way).
-FINISH_LUA = """
+# allow-oom: ending a group frees memory (its entries are deleted), so it must run at maxmemory; without the
+# flag Redis would stop the script at its first HINCRBY, after the ZREM, and the counters would not reconcile.
+FINISH_LUA = """#!lua flags=allow-oom
 local ended = redis.call('ZREM', KEYS[1], ARGV[1])
 if ended == 1 then
   redis.call('HINCRBY', KEYS[2], ARGV[2], 1)
@@ -93,6 +95,16 @@ return {1, new}
 """
 
 
+# KEYS: stream, counters
+# ARGV: consumer group, entry ids...
+# allow-oom: acking and deleting frees memory; a MULTI holding HINCRBY would be refused whole at maxmemory.
+ORPHANS_LUA = """#!lua flags=allow-oom
+redis.call('XACK', KEYS[1], ARGV[1], unpack(ARGV, 2))
+redis.call('XDEL', KEYS[1], unpack(ARGV, 2))
+redis.call('HINCRBY', KEYS[2], 'orphan_entries', #ARGV - 1)
+"""
+
+
 @dataclass(frozen=True)
 class Admission:
     episode: int | None
@@ -130,6 +142,7 @@ class Ledger:
         self.keys = keys
         self._finish = client.register_script(FINISH_LUA)
         self._commit = client.register_script(COMMIT_LUA)
+        self._orphans = client.register_script(ORPHANS_LUA)
 
     def finish(self, group_id: str, outcome: str, entry_ids: Sequence[bytes | str], *,
                stream: str | None = None, pipe: redis.client.Pipeline | None = None) -> bool | None:
@@ -178,12 +191,7 @@ class Ledger:
         """Entries of groups that already ended (duplicates, late members): ack, delete, count."""
         if not entry_ids:
             return
-        stream = stream or self.keys.traj
-        with self.client.pipeline(transaction=True) as pipe:
-            pipe.xack(stream, TRAINER_GROUP, *entry_ids)
-            pipe.xdel(stream, *entry_ids)
-            pipe.hincrby(self.keys.counters, "orphan_entries", len(entry_ids))
-            pipe.execute()
+        self._orphans(keys=[stream or self.keys.traj, self.keys.counters], args=[TRAINER_GROUP, *entry_ids])
 
     def inflight_of(self, group_ids: Sequence[str]) -> list[bool]:
         if not group_ids:
