@@ -90,6 +90,8 @@ class EmbeddedRedis:
             try:
                 if client.ping():
                     return
+            except (redis.AuthenticationError, redis.ResponseError):
+                return  # it answered, asking for a password (--requirepass in extra_args)
             except redis.ConnectionError:
                 time.sleep(0.05)
             finally:
