@@ -112,21 +112,21 @@ class Job:
         total = self.cfg.train_env_manager.num_env_groups * self.cfg.train_env_manager.group_size
         self.num_workers = -(-total // per_worker)
 
-    def env(self) -> dict[str, str]:
-        return os.environ | {"ROLLSTREAM_REDIS_URL": self.url, "PYTHONPATH": str(REPO)}
+    def env(self, url: str | None = None) -> dict[str, str]:
+        return os.environ | {"ROLLSTREAM_REDIS_URL": url or self.url, "PYTHONPATH": str(REPO)}
 
-    def spawn(self, name: str, *args: str) -> subprocess.Popen[bytes]:
+    def spawn(self, name: str, *args: str, url: str | None = None) -> subprocess.Popen[bytes]:
         with open(self.logs / f"{name}.log", "ab") as log:
-            proc = subprocess.Popen([sys.executable, "-m", "rollstream", *args], env=self.env(), stdout=log,
+            proc = subprocess.Popen([sys.executable, "-m", "rollstream", *args], env=self.env(url), stdout=log,
                                     stderr=subprocess.STDOUT)
         self.procs[name] = proc
         return proc
 
-    def start_trainer(self) -> subprocess.Popen[bytes]:
-        return self.spawn("trainer", "trainer", str(self.config_path))
+    def start_trainer(self, url: str | None = None) -> subprocess.Popen[bytes]:
+        return self.spawn("trainer", "trainer", str(self.config_path), url=url)
 
-    def start_workers(self) -> list[subprocess.Popen[bytes]]:
-        return [self.spawn(f"producer-{rank}", "producer", str(self.config_path), "--worker-rank", str(rank))
+    def start_workers(self, *args: str) -> list[subprocess.Popen[bytes]]:
+        return [self.spawn(f"producer-{rank}", "producer", str(self.config_path), "--worker-rank", str(rank), *args)
                 for rank in range(self.num_workers)]
 
     def log(self, name: str) -> str:
