@@ -60,7 +60,7 @@ class FaultRedis(EmbeddedRedis):
         self.process.send_signal(signal.SIGCONT)
 
     def client(self, **options: Any) -> redis.Redis:
-        return redis.Redis.from_url(self.url, socket_timeout=30, **options)
+        return redis.Redis.from_url(self.url, **({"socket_timeout": 30} | options))
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
