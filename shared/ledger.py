@@ -208,6 +208,14 @@ class Ledger:
     def version(self) -> int:
         return int(self.client.get(self.keys.version) or 0)
 
+    def expect_version(self, step: int) -> None:
+        """Raise RedisDataLost unless Redis holds version `step`, which this trainer committed (or resumed at)."""
+        version = self.version()
+        if version != step:
+            raise RedisDataLost(
+                f"the trainer is at step {step} but Redis holds policy version {version}: Redis lost committed steps "
+                f"(a restart without its AOF, or an AOF behind) or another trainer runs {self.keys.ns}; {RESUME_HINT}")
+
     def counters(self) -> dict[str, int]:
         """The group counters and the in-flight count, read in one transaction so they reconcile."""
         return read_counters(self.client, self.keys)
