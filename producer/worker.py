@@ -36,6 +36,13 @@ from rollstream.shared.weights_transport import drop_downloads, fetch_weights
 
 log = logging.getLogger(__name__)
 
+# KEYS: heartbeat hash. ARGV: ttl seconds, field/value pairs.
+# allow-oom: a beat overwrites a small hash; a worker waiting out a full Redis must not look dead.
+HEARTBEAT_LUA = """#!lua flags=allow-oom
+redis.call('HSET', KEYS[1], unpack(ARGV, 2))
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+"""
+
 SHUTDOWN_REPORT_S = 15.0
 """How long a stopping worker spends telling the trainer which admitted episodes it abandons."""
 
@@ -76,6 +83,7 @@ class EnvWorker:
         self.validation = ValidationPlayer(self)
         self._val_tasks: set[asyncio.Task[None]] = set()
         self._val_rounds: set[int] = set()
+        self._beat = client.register_script(HEARTBEAT_LUA)
         self.writer = f"writes:worker:{rank}"
         """This worker's field in the run hash: how many entries it has written."""
         self.writes_base: int | None = None
@@ -240,13 +248,13 @@ class EnvWorker:
         while not self.stop.is_set():
             total = sum(self.stats.episodes.values())
             elapsed = max(time.time() - self.stats.started_at, 1e-9)
-            await self.client.hset(key, mapping={
+            beat = {
                 "rank": self.rank, "host": host, "pid": pid, "envs": len(self.layout.groups_of(self.rank))
                 * self.layout.group_size, "episodes": total, "errors": sum(self.stats.errors.values()),
                 "episodes_per_s": round(total / elapsed, 3), "loaded_version": self.policy.version,
                 "last_seen": round(time.time(), 3),
-            })
-            await self.client.expire(key, max(1, int(5 * every)))
+            }
+            await self._beat(keys=[key], args=[max(1, int(5 * every)), *(x for kv in beat.items() for x in kv)])
             await asyncio.sleep(every)
 
     # ---- playing and writing ----

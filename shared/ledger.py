@@ -232,9 +232,16 @@ class Ledger:
         return added
 
 
+# KEYS: counters, inflight. Read in one script so they reconcile; no-writes lets it run at maxmemory, where
+# Redis refuses every command queued in a MULTI, reads included.
+READ_COUNTERS_LUA = """#!lua flags=no-writes
+return {redis.call('HGETALL', KEYS[1]), redis.call('ZCARD', KEYS[2])}
+"""
+
+
 def read_counters(client: redis.Redis, keys: Keys) -> dict[str, int]:
-    with client.pipeline(transaction=True) as pipe:
-        raw, in_flight = pipe.hgetall(keys.counters).zcard(keys.inflight).execute()
+    flat, in_flight = client.register_script(READ_COUNTERS_LUA)(keys=[keys.counters, keys.inflight])
+    raw = dict(zip(flat[::2], flat[1::2]))
     counts = {k.decode(): int(v) for k, v in raw.items()}
     counts["in_flight"] = int(in_flight)
     return counts
