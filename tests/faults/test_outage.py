@@ -51,7 +51,7 @@ def test_redis_killed_and_restarted_three_times_during_a_run(fault_redis: FaultR
     job.start_trainer()
     recoveries = []
     for target in (1, 2, 3):
-        wait_until(lambda: _version(fault_redis) >= target, 90, f"version {target}")
+        wait_until(lambda t=target: _version(fault_redis) >= t, 90, f"version {target}")
         before = _version(fault_redis)
         fault_redis.restart()  # kill -9, then the same port and data
         recoveries.append(_recovery(fault_redis, before))
