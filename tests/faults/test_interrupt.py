@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -29,7 +30,9 @@ def test_ctrl_c_under_run_stops_everything_in_order(tmp_path: Path) -> None:
     try:
         wait_until(lambda: "step 2 " in console.read_text(errors="replace"), 120, "two steps", every_s=0.2)
         os.killpg(run.pid, signal.SIGINT)  # what Ctrl-C does
+        interrupted = time.monotonic()
         assert run.wait(timeout=90) == 130
+        print(f"\nCtrl-C: everything stopped in {time.monotonic() - interrupted:.1f} s")
     finally:
         if run.poll() is None:
             os.killpg(run.pid, signal.SIGKILL)

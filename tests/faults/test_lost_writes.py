@@ -4,6 +4,7 @@ empty): detected, and every process stops with one clear line instead of trainin
 from __future__ import annotations
 
 import shutil
+import time
 
 import pytest
 
@@ -30,6 +31,7 @@ def test_lost_acknowledged_writes_stop_the_run_with_one_line(fault_redis: FaultR
     if how == "aof rolled back":
         shutil.copytree(snapshot, aof)
     fault_redis.start()
+    back = time.monotonic()
 
     for name, proc in [("trainer", trainer), *((f"producer-{r}", p) for r, p in enumerate(workers))]:
         assert proc.wait(timeout=90) != 0, name
@@ -38,5 +40,6 @@ def test_lost_acknowledged_writes_stop_the_run_with_one_line(fault_redis: FaultR
         last = log.splitlines()[-1]
         assert last.startswith("rollstream: error:") and "--fresh" in last, last
         assert any(word in last for word in LOST.split("|")), last
+    print(f"\n{how}: every process stopped {time.monotonic() - back:.1f} s after Redis came back")
     result = audit(job.record)
     assert not result.twice and not result.incomplete
