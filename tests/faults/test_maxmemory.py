@@ -18,8 +18,9 @@ def test_producers_wait_at_maxmemory_and_a_late_trainer_drains(fault_redis: Faul
     workers = job.start_workers()
     # The producers fill what the version cap lets them (two batches), then Redis is put over its limit.
     wait_until(lambda: client.xlen(f"{NS}:traj") >= 2 * job.cfg.rollout_batch_size, 90, "a full backlog")
+    limit = client.info("memory")["used_memory"] - 4096
     client.set("filler", b"x" * 2**20)  # keeps Redis over its limit after the trainer frees the backlog
-    client.config_set("maxmemory", client.info("memory")["used_memory"] - 4096)
+    client.config_set("maxmemory", limit)
     with pytest.raises(redis.OutOfMemoryError):
         client.set("probe", 1)
     job.start_trainer()  # its consumer group is created over the limit; it trains the backlog, freeing it
