@@ -63,6 +63,7 @@ def run_trainer(cfg: RollstreamConfig, client: redis.Redis, *, consumer: str = "
                 metrics.log(step, validator.run(step, version=step))
             batch = None
             while batch is None and not stop.is_set():
+                batcher.ledger.expect_version(step)  # each second: Redis may have lost steps while we wait
                 batch = batcher.next_batch(step, timeout_s=1.0)
             if batch is None:
                 break

@@ -30,6 +30,7 @@ from rollstream.shared.envs.registry import make_env
 from rollstream.shared.keys import Keys
 from rollstream.shared.layout import GroupSpec
 from rollstream.shared.ledger import Admission, AsyncAdmissions, finished_version, owner_tag
+from rollstream.shared.redis_io import RESUME_HINT, RedisDataLost, RedisUnavailable, write_with_backoff
 from rollstream.shared.schema import GroupDropNotice, Trajectory, group_prefix
 from rollstream.shared.seeding import episode_seed
 from rollstream.shared.weights_io import weights_path_from_uri
@@ -39,6 +40,16 @@ log = logging.getLogger(__name__)
 
 HEARTBEAT_MISSES = 5
 """A worker whose heartbeat was not refreshed for this many heartbeat_s periods is gone (default 5 x 2 s = 10 s)."""
+
+# KEYS: heartbeat hash. ARGV: ttl in ms, field/value pairs.
+# Returns the incarnation, host and pid the hash held before this beat (another process's, if a twin beats).
+# allow-oom: a beat overwrites a small hash; a worker waiting out a full Redis must not look dead.
+HEARTBEAT_LUA = """#!lua flags=allow-oom
+local before = redis.call('HMGET', KEYS[1], 'incarnation', 'host', 'pid')
+redis.call('HSET', KEYS[1], unpack(ARGV, 2))
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
+return before
+"""
 SHUTDOWN_REPORT_S = 15.0
 """How long a stopping worker spends telling the trainer which admitted episodes it abandons."""
 
@@ -87,6 +98,13 @@ class EnvWorker:
         self._beats = 0
         self.twin: str | None = None
         """Set when another process beats under this rank: the run is misconfigured and this worker stops."""
+        self._heartbeat_script = client.register_script(HEARTBEAT_LUA)
+        self.writer = f"writes:worker:{rank}"
+        """This worker's field in the run hash: how many entries it has written."""
+        self.writes_base: int | None = None
+        """This writer's count in Redis when the process started writing."""
+        self.writes = 0
+        """How many of this process's writes Redis has acknowledged."""
 
     # ---- the loop ----
 
@@ -101,6 +119,7 @@ class EnvWorker:
             return
         log.info("worker %d: %d groups, %d envs", self.rank, len(groups), len(groups) * self.layout.group_size)
         stream_ids = await self._load_published_version()
+        self.writes_base = int(await self.client.hget(self.keys.run, self.writer) or 0)
         await self._beat()  # before the first admission: a group must never be owned by a worker not yet beating
         background = [asyncio.create_task(self._follow_streams(stream_ids), name="follow-streams"),
                       asyncio.create_task(self._heartbeat(), name="heartbeat")]
@@ -163,7 +182,8 @@ class EnvWorker:
         """Block until the group may start an episode; None once the worker is stopping."""
         while not self.stop.is_set():
             self.notified.clear()
-            admission = await self.admissions.admit(prefix)
+            admission = await write_with_backoff(lambda: self.admissions.admit(prefix), "admitting an episode",
+                                                 self.cfg.redis.max_outage_s)
             if admission.finished:
                 self._finish(admission.version)
                 return None
@@ -207,32 +227,48 @@ class EnvWorker:
                 ids[name] = entries[-1][0]
                 if name == self.keys.weights:
                     await self._load(entries[-1][1])  # only the newest version matters
-                for _, fields in entries if name == self.keys.control else ():
-                    if fields.get(b"kind") == b"val":
-                        self._start_validation(int(fields[b"round"]), int(fields[b"version"]))
-                    elif fields.get(b"kind") == b"finished":
-                        self._finish(int(fields[b"version"]))
+                for entry_id, fields in entries if name == self.keys.control else ():
+                    try:
+                        if fields.get(b"kind") == b"val":
+                            self._start_validation(int(fields[b"round"]), int(fields[b"version"]))
+                        elif fields.get(b"kind") == b"finished":
+                            self._finish(int(fields[b"version"]))
+                    except (KeyError, ValueError) as e:  # a malformed message must not stop the follower
+                        self._refuse(f"control message {entry_id!r}", e)
             if replies:
                 self.notified.set()
 
     async def _load(self, fields: dict[bytes, bytes]) -> None:
-        version, digest = int(fields[b"version"]), fields.get(b"digest", b"").decode()
+        """Load an announced version. One that does not parse, cannot be fetched or fails its digest is refused:
+        logged, counted in the heartbeat's errors, the old weights stay, and the next announcement is tried."""
+        try:
+            version, digest = int(fields[b"version"]), fields.get(b"digest", b"").decode()
+        except (KeyError, ValueError) as e:
+            self._refuse(f"weights announcement {dict(fields)!r:.200}", e)
+            return
         # A version announced again with other weights is a resumed trainer's model: load it too.
         republished = version == self.policy.version and digest and digest != self.loaded_digest
         if version > self.policy.version or republished:
             announced = fields.get(b"uri", b"").decode()
             try:
                 uri = await fetch_weights(self.client, self.keys, announced, self.downloads)
-            except FileNotFoundError as e:  # pruned or lost: a newer version is announced after the next step
-                log.error("worker %d: cannot fetch policy version %d: %s", self.rank, version, e)
+                await self.policy.load_weights(version, uri, digest)
+            except (asyncio.CancelledError, RedisUnavailable):
+                raise
+            except Exception as e:  # pruned, lost, corrupt, or not weights at all: a newer version will come
+                self._refuse(f"policy version {version}", e)
                 return
-            await self.policy.load_weights(version, uri, digest)
             self.loaded_digest = digest
             if uri != announced:
                 drop_downloads(self.downloads, keep=weights_path_from_uri(uri).name)
             log.info("worker %d: loaded policy version %d", self.rank, version)
         async with self.version_loaded:
             self.version_loaded.notify_all()
+
+    def _refuse(self, what: str, error: BaseException) -> None:
+        log.error("worker %d: refused %s (%s: %s); keeping policy version %d", self.rank, what,
+                  type(error).__name__, error, self.policy.version)
+        self.stats.errors["weights_refused"] += 1
 
     def _start_validation(self, round_: int, version: int) -> None:
         if round_ in self._val_rounds:
@@ -253,17 +289,15 @@ class EnvWorker:
         key, every = self.keys.worker(self.rank), self.cfg.redis.heartbeat_s
         total = sum(self.stats.episodes.values())
         elapsed = max(time.time() - self.stats.started_at, 1e-9)
-        async with self.client.pipeline(transaction=True) as pipe:
-            pipe.hmget(key, ["incarnation", "host", "pid"])
-            pipe.hset(key, mapping={
-                "rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(),
-                "incarnation": self.incarnation, "envs": len(self.layout.groups_of(self.rank))
-                * self.layout.group_size, "episodes": total, "errors": sum(self.stats.errors.values()),
-                "episodes_per_s": round(total / elapsed, 3), "loaded_version": self.policy.version,
-                "last_seen": round(time.time(), 3),
-            })
-            pipe.pexpire(key, max(1, int(HEARTBEAT_MISSES * every * 1000)))
-            (incarnation, host, pid), *_ = await pipe.execute()
+        beat = {
+            "rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(), "incarnation": self.incarnation,
+            "envs": len(self.layout.groups_of(self.rank)) * self.layout.group_size, "episodes": total,
+            "errors": sum(self.stats.errors.values()), "episodes_per_s": round(total / elapsed, 3),
+            "loaded_version": self.policy.version, "last_seen": round(time.time(), 3),
+        }
+        ttl_ms = max(1, int(HEARTBEAT_MISSES * every * 1000))
+        incarnation, host, pid = await self._heartbeat_script(
+            keys=[key], args=[ttl_ms, *(x for kv in beat.items() for x in kv)])
         # Before our first beat the key may hold a dead predecessor's incarnation; after it, only a live twin
         if self._beats and incarnation is not None and incarnation.decode() != self.incarnation:
             self.twin = (f"env-worker rank {self.rank} also runs on host {host.decode()} pid {pid.decode()}: "
@@ -280,7 +314,24 @@ class EnvWorker:
                                   sequence_length=self.cfg.sequence_length)
 
     async def publish(self, fields: dict[str, bytes | str | int | float], stream: str | None = None) -> None:
-        await self.client.xadd(stream or self.keys.traj, fields)  # type: ignore[arg-type]
+        """XADD, counting this writer's entries in the same transaction: a count lower than the last one seen
+        means Redis lost writes it had acknowledged (RedisDataLost), instead of training on."""
+
+        async def write() -> list[object]:
+            async with self.client.pipeline(transaction=True) as pipe:
+                pipe.xadd(stream or self.keys.traj, fields)  # type: ignore[arg-type]
+                pipe.hincrby(self.keys.run, self.writer, 1)
+                return await pipe.execute()  # type: ignore[no-any-return]
+
+        if self.writes_base is None:  # read once, before any write of this process
+            self.writes_base = int(await self.client.hget(self.keys.run, self.writer) or 0)
+        floor = self.writes_base + self.writes  # acknowledged before this write was sent (others may be in flight)
+        _, written = await write_with_backoff(write, "writing a trajectory", self.cfg.redis.max_outage_s)
+        if int(written) <= floor:  # a retried write may count twice, never less
+            raise RedisDataLost(f"worker {self.rank}: Redis counts {written} entries written by this worker, but it "
+                                f"had acknowledged {floor}: it lost writes (a restart without its AOF, or an "
+                                f"AOF behind); {RESUME_HINT}")
+        self.writes += 1
 
 
 class GroupRunner:
@@ -298,6 +349,8 @@ class GroupRunner:
         self.failed: set[int] = set()
         """k's already reported to the trainer as failed; the members still to play them skip them."""
         self.num_admitted = 0
+        self.last_episode = -1
+        """The highest episode index admitted to this group in this process: Redis never hands out a lower one."""
         self.lock = asyncio.Lock()
 
     async def next_episode(self, k: int) -> int | None:
@@ -313,6 +366,12 @@ class GroupRunner:
                 admission = await self.worker.wait_for_slot(self.prefix)
                 if admission is None or admission.episode is None:
                     return None
+                if admission.episode <= self.last_episode:
+                    raise RedisDataLost(
+                        f"worker {self.worker.rank}: Redis admitted episode {admission.episode} of {self.prefix}* "
+                        f"again (episode {self.last_episode} was already admitted): it lost writes (a restart "
+                        f"without its AOF, or an AOF behind); {RESUME_HINT}")
+                self.last_episode = admission.episode
                 self.admitted[k] = admission.episode
                 self.num_admitted += 1
             return self.admitted[k]

@@ -15,7 +15,7 @@ from rollstream.shared.codec import CodecError
 from rollstream.shared.config import ConfigError, RollstreamConfig, TinyModelConfig, load_config, to_yaml
 from rollstream.shared.config_load import Loaded, load
 from rollstream.shared.keys import TRAINER_CONSUMER
-from rollstream.shared.redis_io import RedisUnavailable, connect, resolve_url
+from rollstream.shared.redis_io import RedisDataLost, RedisUnavailable, connect, resolve_url
 
 log = logging.getLogger("rollstream")
 
@@ -37,7 +37,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.env_file:
             _load_env_file(args.env_file)
         code = int(args.func(args) or 0)
-    except (ConfigError, RedisUnavailable, CodecError, FileNotFoundError) as e:
+    except (ConfigError, RedisUnavailable, RedisDataLost, CodecError, FileNotFoundError) as e:
         print(f"rollstream: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     if code == 0 and args.min_uptime:

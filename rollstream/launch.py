@@ -22,6 +22,8 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import IO
 
+import redis
+
 from rollstream.shared.config import ConfigError, RollstreamConfig, dump_config
 from rollstream.shared.config_checks import check_paths, engine_size
 from rollstream.shared.embedded import EmbeddedRedis, die_with_parent
@@ -98,15 +100,30 @@ def ensure_pretrained(cfg: RollstreamConfig) -> None:
 def _prepare_namespace(cfg: RollstreamConfig, url: str, fresh: bool) -> None:
     client = connect(url, cfg.redis)
     keys = Keys.for_exp(cfg.exp_name)
-    existing = client.keys(f"{keys.ns}:*")
-    if existing and fresh:
-        client.delete(*existing)
-        log.info("deleted %d keys of the previous run under %s", len(existing), keys.ns)
-    elif existing:
+    if fresh:
+        deleted = delete_namespace(client, keys)
+        if deleted:
+            log.info("deleted %d keys of the previous run under %s", deleted, keys.ns)
+    elif client.exists(keys.version, keys.counters, keys.traj):
         version = int(client.get(keys.version) or 0)
         log.warning("%s already holds experiment %r at version %d: continuing it (--fresh starts over)",
                     redact(url), cfg.exp_name, version)
     client.close()
+
+
+def delete_namespace(client: redis.Redis, keys: Keys) -> int:
+    """Delete every key under `<ns>:` and nothing else: SCAN with an escaped pattern and a prefix check, UNLINK
+    in batches. No KEYS, so it neither blocks the server nor needs the @dangerous ACL category."""
+    prefix, deleted, batch = f"{keys.ns}:".encode(), 0, []
+    for key in client.scan_iter(match=keys.match_all, count=1000):
+        if key.startswith(prefix):
+            batch.append(key)
+        if len(batch) >= 500:
+            deleted += int(client.unlink(*batch))
+            batch = []
+    if batch:
+        deleted += int(client.unlink(*batch))
+    return deleted
 
 
 def _spawn(args: list[str], env: dict[str, str], output: IO[bytes] | None) -> subprocess.Popen[bytes]:

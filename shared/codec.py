@@ -12,7 +12,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from rollstream.shared.schema import GroupDropNotice, Trajectory, Turn
+from rollstream.shared.schema import GroupDropNotice, Trajectory, Turn, parse_group_id
 
 SCHEMA_VERSION = 1
 _NDARRAY_EXT = 1
@@ -85,8 +85,7 @@ def decode_entry(fields: Fields) -> Trajectory | GroupDropNotice:
         if kind == "traj":
             return _trajectory_from(body)
         if kind == "drop":
-            return GroupDropNotice(str(body["group_id"]), str(body["reason"]), str(body.get("detail", "")),
-                                   int(body.get("worker_rank", 0)))
+            return _drop_from(body)
     except (KeyError, TypeError, ValueError) as e:
         raise CodecError(f"{kind} payload is malformed: {type(e).__name__}: {e}") from e
     raise CodecError(f"unknown entry kind {kind!r} (expected 'traj' or 'drop')")
@@ -96,22 +95,84 @@ def _trajectory_from(body: dict[str, Any]) -> Trajectory:
     missing = [n for n in (*_TRAJ_FIELDS, "turns", *_ARRAY_FIELDS) if n not in body]
     if missing:
         raise CodecError(f"traj payload lacks {', '.join(missing)}")
-    turns = []
-    for row in body["turns"]:
-        if len(row) != len(_TURN_FIELDS):
-            raise CodecError(f"a turn has {len(row)} fields, expected {len(_TURN_FIELDS)}")
-        turn = Turn(**dict(zip(_TURN_FIELDS, row)))
-        turn.response_span = (int(turn.response_span[0]), int(turn.response_span[1]))
-        turns.append(turn)
+    for name, kind in _TRAJ_TYPES.items():
+        _check(body[name], kind, name)
+    _check_group_id(body["group_id"])
+    if not isinstance(body["turns"], list):
+        raise CodecError(f"turns is a {type(body['turns']).__name__}, expected a list")
+    turns = [_turn_from(row, i) for i, row in enumerate(body["turns"])]
     arrays = {}
     for name, dtype in _ARRAY_FIELDS.items():
         value = body[name]
-        if not isinstance(value, np.ndarray) or value.dtype != dtype:
-            raise CodecError(f"{name} must be a {np.dtype(dtype).name} array")
+        if not isinstance(value, np.ndarray) or value.dtype != dtype or value.ndim != 1:
+            raise CodecError(f"{name} must be a one-dimensional {np.dtype(dtype).name} array")
         arrays[name] = value
     if not len(arrays["input_ids"]) == len(arrays["response_mask"]) == len(arrays["logprobs"]):
         raise CodecError("input_ids, response_mask and logprobs differ in length")
     return Trajectory(turns=turns, **{n: body[n] for n in _TRAJ_FIELDS}, **arrays)
+
+
+def _turn_from(row: Any, index: int) -> Turn:
+    if not isinstance(row, list) or len(row) != len(_TURN_FIELDS):
+        raise CodecError(f"turn {index} is not a list of {len(_TURN_FIELDS)} fields")
+    values = dict(zip(_TURN_FIELDS, row))
+    for name, kind in _TURN_TYPES.items():
+        _check(values[name], kind, f"turn {index} {name}")
+    span = values["response_span"]
+    if not (isinstance(span, list) and len(span) == 2 and all(_is(v, "int") for v in span)):
+        raise CodecError(f"turn {index} response_span is {span!r:.60}, expected [start, end] integers")
+    values["response_span"] = (int(span[0]), int(span[1]))
+    return Turn(**values)
+
+
+def _drop_from(body: dict[str, Any]) -> GroupDropNotice:
+    if "group_id" not in body or "reason" not in body:
+        raise CodecError("drop payload lacks group_id or reason")
+    detail, rank = body.get("detail", ""), body.get("worker_rank", 0)
+    checks = ((body["reason"], "str", "reason"), (detail, "str", "detail"), (rank, "int", "worker_rank"))
+    for value, kind, name in checks:
+        _check(value, kind, name)
+    _check_group_id(body["group_id"])
+    return GroupDropNotice(body["group_id"], body["reason"], detail, rank)
+
+
+# Type checks on decode: msgpack hands back whatever the sender packed, and a field of the wrong type must be
+# dead-lettered here rather than crash the trainer later (a null group id, a version that is a string, ...).
+_TRAJ_TYPES = {"traj_id": "str", "group_id": "str", "mode": "str", "tag": "str", "group_index": "int",
+               "episode": "int", "member": "int", "seed": "int", "score": "float", "success": "bool",
+               "end_reason": "str", "worker_rank": "int", "created_at": "float"}
+_TURN_TYPES = {"version": "int", "observation": "str", "reply": "str", "action": "str?", "action_is_valid": "bool",
+               "reward": "float", "finish_reason": "str"}
+
+
+def _is(value: Any, kind: str) -> bool:
+    if kind == "str?":
+        return value is None or isinstance(value, str)
+    if kind == "bool":
+        return isinstance(value, bool)
+    if isinstance(value, bool):  # a bool is an int to Python, never to this schema
+        return False
+    if kind == "int":
+        return isinstance(value, int)
+    if kind == "float":
+        return isinstance(value, (int, float)) and np.isfinite(value)
+    return isinstance(value, str)
+
+
+def _check(value: Any, kind: str, name: str) -> None:
+    if not _is(value, kind):
+        expected = {"str?": "a string or null", "int": "an integer", "float": "a finite number",
+                    "bool": "a boolean", "str": "a string"}[kind]
+        raise CodecError(f"{name} is {type(value).__name__} {value!r:.60}, expected {expected}")
+    if kind == "int" and value < 0 and name not in ("seed",):
+        raise CodecError(f"{name} is {value}, expected a non-negative integer")
+
+
+def _check_group_id(group_id: str) -> None:
+    try:
+        parse_group_id(group_id)
+    except ValueError as e:
+        raise CodecError(str(e)) from None
 
 
 def _pack(obj: Any) -> bytes:

@@ -322,6 +322,8 @@ class RedisConfig:
     """Entries fetched per XREADGROUP."""
     heartbeat_s: Annotated[float, Field(gt=0.0)] = 2.0
     """How often a worker refreshes its heartbeat; it is considered gone after 5 missed beats."""
+    max_outage_s: float = 300.0
+    """How long a process waits for an unreachable (or full) Redis, reconnecting with backoff, before it exits."""
 
 
 @dataclass(config=SCHEMA)

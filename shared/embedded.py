@@ -71,8 +71,10 @@ class EmbeddedRedis:
             "--maxmemory-policy", "noeviction", "--logfile", "server.log", *self.extra_args,
         ]
         with open(self.data_dir / "stderr.log", "wb") as stderr:
+            # Its own session: a Ctrl-C at the terminal goes to the foreground process group only, so the server
+            # outlives the draining processes and is stopped last, by whoever started it.
             self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=stderr,
-                                            preexec_fn=die_with_parent)
+                                            preexec_fn=die_with_parent, start_new_session=True)
         self._wait_ready(timeout_s)
         return self
 
@@ -88,6 +90,8 @@ class EmbeddedRedis:
             try:
                 if client.ping():
                     return
+            except (redis.AuthenticationError, redis.ResponseError):
+                return  # it answered, asking for a password (--requirepass in extra_args)
             except redis.ConnectionError:
                 time.sleep(0.05)
             finally:

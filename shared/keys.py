@@ -91,6 +91,18 @@ class Keys:
         env-workers exit 0."""
         return f"{self.ns}:finished"
 
+    @property
+    def run(self) -> str:
+        """Hash of high-water marks that let processes notice writes Redis lost: `last_commit` (the id of the
+        trainer's last step commit) and `writes:<writer>` (how many entries each writer has written)."""
+        return f"{self.ns}:run"
+
+    @property
+    def match_all(self) -> str:
+        """A SCAN MATCH pattern for exactly this namespace's keys: glob characters in the name are escaped, so
+        experiment `prod` never matches `prodexp` or `prod*`'s keys."""
+        return "".join("\\" + c if c in "*?[]\\" else c for c in self.ns) + ":*"
+
     def worker(self, rank: int) -> str:
         """Heartbeat hash of one env-worker; expires when the worker stops beating."""
         return f"{self.ns}:worker:{rank}"

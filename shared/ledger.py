@@ -11,6 +11,7 @@ The arithmetic is `rollstream.shared.versioning.admission_cap`, repeated in ADMI
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -18,6 +19,7 @@ import redis
 import redis.asyncio
 
 from rollstream.shared.keys import TRAINER_GROUP, Keys
+from rollstream.shared.redis_io import RESUME_HINT, RedisDataLost, text
 
 OUTCOMES = ("trained", "stale_dropped", "timeout_dropped", "failed_dropped", "worker_lost_dropped", "unused_at_end")
 """How an admitted group ends. All but trained return the group's slot, so another episode may start.
@@ -63,7 +65,9 @@ return n
 # KEYS: inflight, counters, stream, control
 # ARGV: group id, outcome, return slot (0/1), consumer group, entry ids...
 # Returns 1 if this call ended the group, 0 if it had already ended (the entries are acked either way).
-FINISH_LUA = """
+# allow-oom: ending a group frees memory (its entries are deleted), so it must run at maxmemory; without the
+# flag Redis would stop the script at its first HINCRBY, after the ZREM, and the counters would not reconcile.
+FINISH_LUA = """#!lua flags=allow-oom
 local ended = redis.call('ZREM', KEYS[1], ARGV[1])
 if ended == 1 then
   redis.call('HINCRBY', KEYS[2], ARGV[2], 1)
@@ -77,6 +81,48 @@ if #ARGV > 4 then
   redis.call('XDEL', KEYS[3], unpack(ARGV, 5))
 end
 return ended
+"""
+
+
+# KEYS: version, counters, inflight, stream, control, weights, run
+# ARGV: new version, commit id, consumer group, number of groups,
+#       then per group: group id, number of entries, entry ids..., then the announcement's field/value pairs.
+# Returns {1, version} when committed, {0, version} when this commit id was already applied (a retried call),
+# {-1, version} when Redis is not at new version - 1 (it lost a commit, or another trainer committed).
+# One script, so a commit is all or nothing and a retry after a lost reply or a restart is a no-op.
+# allow-oom: a commit deletes a batch of entries and adds two small ones, so it must run at maxmemory.
+COMMIT_LUA = """#!lua flags=allow-oom
+if redis.call('HGET', KEYS[7], 'last_commit') == ARGV[2] then
+  return {0, tonumber(redis.call('GET', KEYS[1]) or '0')}
+end
+local version = tonumber(redis.call('GET', KEYS[1]) or '0')
+local new = tonumber(ARGV[1])
+if version ~= new - 1 then return {-1, version} end
+local i = 5
+for _ = 1, tonumber(ARGV[4]) do
+  local n = tonumber(ARGV[i + 1])
+  if redis.call('ZREM', KEYS[3], ARGV[i]) == 1 then redis.call('HINCRBY', KEYS[2], 'trained', 1) end
+  if n > 0 then
+    redis.call('XACK', KEYS[4], ARGV[3], unpack(ARGV, i + 2, i + 1 + n))
+    redis.call('XDEL', KEYS[4], unpack(ARGV, i + 2, i + 1 + n))
+  end
+  i = i + 2 + n
+end
+redis.call('SET', KEYS[1], new)
+redis.call('XADD', KEYS[6], '*', 'version', new, unpack(ARGV, i))
+redis.call('XADD', KEYS[5], 'MAXLEN', '~', 1000, '*', 'kind', 'version', 'version', new)
+redis.call('HSET', KEYS[7], 'last_commit', ARGV[2])
+return {1, new}
+"""
+
+
+# KEYS: stream, counters
+# ARGV: consumer group, entry ids...
+# allow-oom: acking and deleting frees memory; a MULTI holding HINCRBY would be refused whole at maxmemory.
+ORPHANS_LUA = """#!lua flags=allow-oom
+redis.call('XACK', KEYS[1], ARGV[1], unpack(ARGV, 2))
+redis.call('XDEL', KEYS[1], unpack(ARGV, 2))
+redis.call('HINCRBY', KEYS[2], 'orphan_entries', #ARGV - 1)
 """
 
 
@@ -132,6 +178,8 @@ class Ledger:
         self.client = client
         self.keys = keys
         self._finish = client.register_script(FINISH_LUA)
+        self._commit = client.register_script(COMMIT_LUA)
+        self._orphans = client.register_script(ORPHANS_LUA)
 
     def finish(self, group_id: str, outcome: str, entry_ids: Sequence[bytes | str], *,
                stream: str | None = None, pipe: redis.client.Pipeline | None = None) -> bool | None:
@@ -149,15 +197,25 @@ class Ledger:
 
     def commit_step(self, trained: Iterable[tuple[str, Sequence[bytes | str]]], new_version: int,
                     announcement: dict[str, str | int]) -> None:
-        """Atomically: mark the step's groups trained (ack+delete their entries) and publish the version."""
+        """Atomically: mark the step's groups trained (ack+delete their entries) and publish the version.
+
+        Safe to retry (redis-py retries on a dropped connection and reloads the script after a restart): the
+        commit carries a fresh id, and a commit whose id Redis already holds is not applied again. Raises
+        RedisDataLost when Redis is not at version new_version - 1."""
         k = self.keys
-        with self.client.pipeline(transaction=True) as pipe:
-            for group_id, entry_ids in trained:
-                self.finish(group_id, "trained", entry_ids, pipe=pipe)
-            pipe.set(k.version, new_version)
-            pipe.xadd(k.weights, {"version": new_version, **announcement})
-            pipe.xadd(k.control, {"kind": "version", "version": new_version}, maxlen=1000, approximate=True)
-            pipe.execute()
+        args: list[bytes | str | int] = [new_version, uuid.uuid4().hex, TRAINER_GROUP, 0]
+        for group_id, entry_ids in trained:
+            args += [group_id, len(entry_ids), *entry_ids]
+            args[3] = int(args[3]) + 1
+        for name, value in announcement.items():
+            args += [name, value]
+        status, version = self._commit(keys=[k.version, k.counters, k.inflight, k.traj, k.control, k.weights, k.run],
+                                       args=args)
+        if status == -1:
+            raise RedisDataLost(
+                f"cannot commit step {new_version - 1}: Redis holds policy version {version}, expected "
+                f"{new_version - 1}. Redis lost committed steps (a restart without its AOF, or an AOF behind) or "
+                f"another trainer runs experiment {k.ns}; {RESUME_HINT}")
 
     def announce(self, version: int, announcement: dict[str, str | int]) -> None:
         """Re-announce the weights of an already published version (a resumed trainer's model)."""
@@ -170,12 +228,7 @@ class Ledger:
         """Entries of groups that already ended (duplicates, late members): ack, delete, count."""
         if not entry_ids:
             return
-        stream = stream or self.keys.traj
-        with self.client.pipeline(transaction=True) as pipe:
-            pipe.xack(stream, TRAINER_GROUP, *entry_ids)
-            pipe.xdel(stream, *entry_ids)
-            pipe.hincrby(self.keys.counters, "orphan_entries", len(entry_ids))
-            pipe.execute()
+        self._orphans(keys=[stream or self.keys.traj, self.keys.counters], args=[TRAINER_GROUP, *entry_ids])
 
     def inflight_of(self, group_ids: Sequence[str]) -> list[bool]:
         if not group_ids:
@@ -195,7 +248,7 @@ class Ledger:
         Gone: its rank's heartbeat expired, or holds another incarnation (the worker restarted). Owner records
         of groups that already ended are deleted here, so the owners hash stays as small as the in-flight set.
         """
-        owners = {_text(g): _text(v).split(" ", 1) for g, v in self.client.hgetall(self.keys.owners).items()}
+        owners = {text(g): text(v).split(" ", 1) for g, v in self.client.hgetall(self.keys.owners).items()}
         if not owners:
             return {}
         in_flight = self.inflight_of(list(owners))
@@ -207,7 +260,7 @@ class Ledger:
         with self.client.pipeline(transaction=False) as pipe:
             for rank in ranks:
                 pipe.hget(self.keys.worker(rank), "incarnation")
-            beating = {rank: (_text(v) if v else None) for rank, v in zip(ranks, pipe.execute())}
+            beating = {rank: (text(v) if v else None) for rank, v in zip(ranks, pipe.execute())}
         return {g: int(rank) for g, (rank, inc) in live.items() if beating[int(rank)] != inc}
 
     def finish_experiment(self, version: int) -> int:
@@ -227,6 +280,14 @@ class Ledger:
     def version(self) -> int:
         return int(self.client.get(self.keys.version) or 0)
 
+    def expect_version(self, step: int) -> None:
+        """Raise RedisDataLost unless Redis holds version `step`, which this trainer committed (or resumed at)."""
+        version = self.version()
+        if version != step:
+            raise RedisDataLost(
+                f"the trainer is at step {step} but Redis holds policy version {version}: Redis lost committed steps "
+                f"(a restart without its AOF, or an AOF behind) or another trainer runs {self.keys.ns}; {RESUME_HINT}")
+
     def counters(self) -> dict[str, int]:
         """The group counters and the in-flight count, read in one transaction so they reconcile."""
         return read_counters(self.client, self.keys)
@@ -243,13 +304,16 @@ class Ledger:
         return added
 
 
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
+# KEYS: counters, inflight. Read in one script so they reconcile; no-writes lets it run at maxmemory, where
+# Redis refuses every command queued in a MULTI, reads included.
+READ_COUNTERS_LUA = """#!lua flags=no-writes
+return {redis.call('HGETALL', KEYS[1]), redis.call('ZCARD', KEYS[2])}
+"""
 
 
 def read_counters(client: redis.Redis, keys: Keys) -> dict[str, int]:
-    with client.pipeline(transaction=True) as pipe:
-        raw, in_flight = pipe.hgetall(keys.counters).zcard(keys.inflight).execute()
+    flat, in_flight = client.register_script(READ_COUNTERS_LUA)(keys=[keys.counters, keys.inflight])
+    raw = dict(zip(flat[::2], flat[1::2]))
     counts = {k.decode(): int(v) for k, v in raw.items()}
     counts["in_flight"] = int(in_flight)
     return counts

@@ -25,6 +25,9 @@ from rollstream.shared.versioning import is_stale
 
 log = logging.getLogger(__name__)
 
+STRANDED_CHECK_S = 2.0
+"""How often an idle or caught-up trainer compares its pending count in Redis with the entries it holds."""
+
 
 @dataclass
 class Batch:
@@ -53,6 +56,7 @@ class Batcher:
         self._next_reap = 0.0
         self._suspects: set[str] = set()
         """Groups whose worker looked gone at the last check: ended if still so at the next one."""
+        self._last_stranded_check = 0.0
 
     def next_batch(self, step: int, *, timeout_s: float | None = None) -> Batch | None:
         """Block until G usable complete groups are in hand (None if `timeout_s` passes first)."""
@@ -73,14 +77,39 @@ class Batcher:
                 self._drop(group.group_id, "stale_dropped", f"version {group.version} at step {step}")
 
     def poll_once(self) -> None:
-        """One read of the stream, then the timeout sweep once the backlog has been read."""
-        self.route(self.reader.read())
-        if self.reader.caught_up:
+        """One read of the stream, then, once the backlog has been read, a check for entries delivered to us but
+        never received, and the timeout sweep."""
+        entries = self.reader.read()
+        if self.reader.rereading:  # pending entries this process may already hold
+            held = self._held_entry_ids()
+            entries = [e for e in entries if e.entry_id not in held]
+        self.route(entries)
+        if self.reader.caught_up and not self._reread_stranded():
             self.expire_timed_out()
         if self.reader.drained and time.monotonic() >= self._next_reap:
             # Twice per heartbeat period: a lost worker's groups end within about one period after its heartbeat
             self._next_reap = time.monotonic() + self.cfg.redis.heartbeat_s / 2
             self.end_lost_workers_groups()
+
+    def _held_entry_ids(self) -> set[bytes]:
+        groups = [*self.assembler.partial.values(), *self.assembler.ready.values()]
+        return {entry_id for g in groups for entry_id in g.entry_ids}
+
+    def _reread_stranded(self) -> bool:
+        """Entries whose XREADGROUP reply was lost (a dropped connection) are pending to us but were never seen:
+        when Redis counts more pending entries than we hold, read the pending ones again (at most every
+        STRANDED_CHECK_S). True when a re-read was started."""
+        now = time.monotonic()
+        if now - self._last_stranded_check < STRANDED_CHECK_S:
+            return False
+        self._last_stranded_check = now
+        pending, held = self.reader.pending_count(), len(self._held_entry_ids())
+        if pending <= held:
+            return False
+        log.warning("%d entries were delivered to this trainer but never received (a lost reply): reading them "
+                    "again", pending - held)
+        self.reader.reread_pending()
+        return True
 
     def route(self, entries: list[Entry]) -> None:
         alive = self.ledger.inflight_of([e.item.group_id for e in entries])

@@ -1,7 +1,9 @@
 """Reading a trajectory stream with XREADGROUP under a stable consumer name.
 
 On start the reader re-reads its own pending entries (delivered before a crash, never acknowledged), then
-new ones. Entries that cannot be decoded go to the dead-letter stream with the reason, and are acked there.
+new ones; it re-reads them again whenever asked (`reread_pending`: entries delivered whose reply was lost).
+Entries that cannot be decoded go to the dead-letter stream with the reason, and are acked there; the
+dead-letter stream is capped and keeps truncated copies of large fields, so bad input cannot fill Redis.
 """
 
 from __future__ import annotations
@@ -17,6 +19,32 @@ from rollstream.shared.keys import TRAINER_GROUP, Keys
 from rollstream.shared.schema import GroupDropNotice, Trajectory
 
 log = logging.getLogger(__name__)
+
+DEAD_MAXLEN = 10_000
+"""About how many dead letters are kept (approximate MAXLEN: the dead stream holds no unconsumed training data)."""
+DEAD_FIELD_BYTES = 1024
+"""A dead letter keeps at most this many bytes of each original field, and the original length beside it."""
+
+# KEYS: dead-letter stream, source stream, counters
+# ARGV: consumer group, entry id, maxlen, then the dead letter's field/value pairs
+# allow-oom: moving an entry to the capped dead stream, truncated, frees memory; it must run at maxmemory.
+DEAD_LETTER_LUA = """#!lua flags=allow-oom
+redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[3], '*', unpack(ARGV, 4))
+redis.call('XACK', KEYS[2], ARGV[1], ARGV[2])
+redis.call('XDEL', KEYS[2], ARGV[2])
+redis.call('HINCRBY', KEYS[3], 'dead_letters', 1)
+"""
+
+# KEYS: stream. ARGV: consumer group. Returns 1 when created, 0 when it existed.
+# allow-oom: a trainer started while Redis is at maxmemory must get its group, or nobody ever frees memory.
+ENSURE_GROUP_LUA = """#!lua flags=allow-oom
+local reply = redis.pcall('XGROUP', 'CREATE', KEYS[1], ARGV[1], '0', 'MKSTREAM')
+if type(reply) == 'table' and reply.err then
+  if string.find(reply.err, 'BUSYGROUP') then return 0 end
+  return redis.error_reply(reply.err)
+end
+return 1
+"""
 
 
 @dataclass(frozen=True)
@@ -36,24 +64,40 @@ class StreamReader:
         self.block_ms = block_ms
         self._pending_cursor: bytes | str | None = "0"
         """Where to continue re-reading our own pending entries; None once they are exhausted."""
-        self._last_read = 0
-        self.drained = False
-        """The last read asked for new entries and got less than a page: everything written before it is in hand."""
+        self._new_read_short = False
+        """The last read of new entries returned less than a full page: the backlog has been read."""
+        self.rereading = False
+        """The last read returned pending entries (ones this consumer may already hold)."""
         self.dead_letters = 0
+        self._dead_letter = client.register_script(DEAD_LETTER_LUA)
+        self._ensure_group = client.register_script(ENSURE_GROUP_LUA)
         self.ensure_group()
 
     def ensure_group(self) -> None:
         # Start at 0, not $: trajectories written before the trainer first started are not lost.
-        try:
-            self.client.xgroup_create(self.stream, TRAINER_GROUP, id="0", mkstream=True)
-        except redis.ResponseError as e:
-            if "BUSYGROUP" not in str(e):
-                raise
+        self._ensure_group(keys=[self.stream], args=[TRAINER_GROUP])
 
     @property
     def caught_up(self) -> bool:
-        """True once the pending entries were re-read and the last read returned less than a full page."""
-        return self._pending_cursor is None and self._last_read < self.count
+        """True once the pending entries were re-read and a read of new entries returned less than a full page:
+        only then may a group be judged incomplete (its members are not sitting unread in the stream)."""
+        return self._pending_cursor is None and self._new_read_short
+
+    @property
+    def drained(self) -> bool:
+        """The last read asked for new entries and got less than a page: everything written before it is in hand."""
+        return not self.rereading and self._new_read_short
+
+    def reread_pending(self) -> None:
+        """Read this consumer's pending entries again from the start, before new ones."""
+        self._pending_cursor = "0"
+
+    def pending_count(self) -> int:
+        """How many entries the group has delivered to this consumer and not yet seen acknowledged."""
+        summary = self.client.xpending(self.stream, TRAINER_GROUP)
+        mine = [c["pending"] for c in summary.get("consumers") or [] if c["name"] in (self.consumer,
+                                                                                      self.consumer.encode())]
+        return int(mine[0]) if mine else 0
 
     def read(self) -> list[Entry]:
         """One XREADGROUP: pending entries first, then new ones, blocking up to block_ms for new ones."""
@@ -70,10 +114,11 @@ class StreamReader:
             self.ensure_group()
             return []
         raw = reply[0][1] if reply else []
-        self._last_read = len(raw)
-        self.drained = not rereading and len(raw) < self.count
+        self.rereading = rereading
         if rereading:
             self._pending_cursor = raw[-1][0] if raw else None
+        else:
+            self._new_read_short = len(raw) < self.count
         return self._decode(raw)
 
     def _decode(self, raw: list[tuple[bytes, dict[bytes, bytes] | None]]) -> list[Entry]:
@@ -91,12 +136,14 @@ class StreamReader:
         return entries
 
     def dead_letter(self, entry_id: bytes, fields: dict[bytes, bytes], reason: str) -> None:
-        log.warning("dead letter %s %s: %s", self.stream, entry_id.decode(), reason)
-        with self.client.pipeline(transaction=True) as pipe:
-            pipe.xadd(self.keys.dead, {"source": self.stream, "entry_id": entry_id, "reason": reason,
-                                       "at": time.time(), **{b"orig:" + k: v for k, v in fields.items()}})
-            pipe.xack(self.stream, TRAINER_GROUP, entry_id)
-            pipe.xdel(self.stream, entry_id)
-            pipe.hincrby(self.keys.counters, "dead_letters", 1)
-            pipe.execute()
+        log.warning("dead letter %s %s: %s", self.stream, entry_id.decode(), reason[:500])
+        letter: list[bytes | str | float] = ["source", self.stream, "entry_id", entry_id, "reason", reason[:2000],
+                                             "at", time.time()]
+        for name, value in fields.items():
+            value = value if isinstance(value, bytes) else str(value).encode()
+            letter += [b"orig:" + name, value[:DEAD_FIELD_BYTES]]
+            if len(value) > DEAD_FIELD_BYTES:
+                letter += [b"size:" + name, len(value)]
+        self._dead_letter(keys=[self.keys.dead, self.stream, self.keys.counters],
+                          args=[TRAINER_GROUP, entry_id, DEAD_MAXLEN, *letter])
         self.dead_letters += 1
