@@ -27,7 +27,7 @@ lint: setup
 	$(BIN)/lint-imports
 	$(BIN)/mypy
 
-test: setup
+test: lint
 	$(BIN)/python -m pytest
 
 clean:

@@ -16,6 +16,7 @@ import uuid
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, cast
 
 import redis.asyncio
 
@@ -30,7 +31,13 @@ from rollstream.shared.envs.registry import make_env
 from rollstream.shared.keys import Keys
 from rollstream.shared.layout import GroupSpec
 from rollstream.shared.ledger import Admission, AsyncAdmissions, finished_version, owner_tag
-from rollstream.shared.redis_io import RESUME_HINT, RedisDataLost, RedisUnavailable, write_with_backoff
+from rollstream.shared.redis_io import (
+    RESUME_HINT,
+    RedisDataLost,
+    RedisUnavailable,
+    StreamEntries,
+    write_with_backoff,
+)
 from rollstream.shared.schema import GroupDropNotice, Trajectory, group_prefix
 from rollstream.shared.seeding import episode_seed
 from rollstream.shared.weights_io import weights_path_from_uri
@@ -125,8 +132,8 @@ class EnvWorker:
                       asyncio.create_task(self._heartbeat(), name="heartbeat")]
         members = [asyncio.create_task(g.run_member(m), name=f"g{g.spec.group_index}/m{m}")
                    for g in groups for m in range(self.layout.group_size)]
-        playing = asyncio.gather(*members)
-        stopped = asyncio.create_task(self.stop.wait())
+        playing: asyncio.Future[Any] = asyncio.gather(*members)
+        stopped: asyncio.Future[Any] = asyncio.create_task(self.stop.wait())
         failure: BaseException | None = None
         try:
             await asyncio.wait([playing, stopped], return_when=asyncio.FIRST_COMPLETED)
@@ -136,7 +143,7 @@ class EnvWorker:
             # The loops also end by this flag: redis-py can swallow a cancellation that lands inside a blocking
             # command (redis/redis-py#2028, #2579), and a `while True` loop would then never return.
             self.stop.set()
-            tasks = [playing, *background, stopped, *self._val_tasks]
+            tasks: list[asyncio.Future[Any]] = [playing, *background, stopped, *self._val_tasks]
             for task in tasks:
                 task.cancel()
             done, stuck = await asyncio.wait(tasks, timeout=SHUTDOWN_REPORT_S)
@@ -209,11 +216,11 @@ class EnvWorker:
         """Load the newest announced weights; returns where to follow the streams from, so nothing is missed."""
         ids: dict[str, bytes | str] = {}
         for stream in (self.keys.control, self.keys.weights):
-            last = await self.client.xrevrange(stream, count=1)
+            last = cast(StreamEntries, await self.client.xrevrange(stream, count=1))
             ids[stream] = last[0][0] if last else "0-0"
             if last and stream == self.keys.weights:
                 await self._load(last[0][1])
-        round_in_progress = await self.client.get(self.keys.paused)
+        round_in_progress = cast(bytes | None, await self.client.get(self.keys.paused))
         if round_in_progress:  # we started during a validation round: play our share of it
             round_, version = map(int, round_in_progress.split())
             self._start_validation(round_, version)
@@ -221,7 +228,8 @@ class EnvWorker:
 
     async def _follow_streams(self, ids: dict[str, bytes | str]) -> None:
         while not self.stop.is_set():
-            replies = await self.client.xread(ids, block=self.cfg.redis.block_ms)  # type: ignore[arg-type]
+            replies = cast(list[tuple[bytes, StreamEntries]], await self.client.xread(ids,  # type: ignore[arg-type]  # str or bytes ids
+                                                                  block=self.cfg.redis.block_ms))
             for stream, entries in replies:
                 name = stream.decode()
                 ids[name] = entries[-1][0]
@@ -289,15 +297,17 @@ class EnvWorker:
         key, every = self.keys.worker(self.rank), self.cfg.redis.heartbeat_s
         total = sum(self.stats.episodes.values())
         elapsed = max(time.time() - self.stats.started_at, 1e-9)
-        beat = {
+        beat: dict[str, str | int | float] = {
             "rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(), "incarnation": self.incarnation,
             "envs": len(self.layout.groups_of(self.rank)) * self.layout.group_size, "episodes": total,
             "errors": sum(self.stats.errors.values()), "episodes_per_s": round(total / elapsed, 3),
             "loaded_version": self.policy.version, "last_seen": round(time.time(), 3),
         }
         ttl_ms = max(1, int(HEARTBEAT_MISSES * every * 1000))
-        incarnation, host, pid = await self._heartbeat_script(
-            keys=[key], args=[ttl_ms, *(x for kv in beat.items() for x in kv)])
+        args: list[str | int | float] = [ttl_ms]
+        for name, value in beat.items():
+            args += [name, value]
+        incarnation, host, pid = await self._heartbeat_script(keys=[key], args=args)
         # Before our first beat the key may hold a dead predecessor's incarnation; after it, only a live twin
         if self._beats and incarnation is not None and incarnation.decode() != self.incarnation:
             self.twin = (f"env-worker rank {self.rank} also runs on host {host.decode()} pid {pid.decode()}: "
@@ -317,11 +327,11 @@ class EnvWorker:
         """XADD, counting this writer's entries in the same transaction: a count lower than the last one seen
         means Redis lost writes it had acknowledged (RedisDataLost), instead of training on."""
 
-        async def write() -> list[object]:
+        async def write() -> list[Any]:
             async with self.client.pipeline(transaction=True) as pipe:
-                pipe.xadd(stream or self.keys.traj, fields)  # type: ignore[arg-type]
+                pipe.xadd(stream or self.keys.traj, fields)  # type: ignore[arg-type]  # str keys
                 pipe.hincrby(self.keys.run, self.writer, 1)
-                return await pipe.execute()  # type: ignore[no-any-return]
+                return await pipe.execute()
 
         if self.writes_base is None:  # read once, before any write of this process
             self.writes_base = int(await self.client.hget(self.keys.run, self.writer) or 0)

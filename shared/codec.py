@@ -7,7 +7,7 @@ payload, so `redis-cli XRANGE <ns>:traj - + COUNT 3` is legible. The payload is 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import msgpack
 import numpy as np
@@ -27,7 +27,8 @@ class CodecError(ValueError):
     """A stream entry that cannot be decoded; the message says what was wrong with it."""
 
 
-Fields = Mapping[bytes | str, bytes | str | int | float]
+Fields = Mapping[bytes, bytes | str | int | float] | Mapping[str, bytes | str | int | float]
+"""Stream entry fields: str keys as written, bytes keys as read back."""
 
 
 def encode_trajectory(traj: Trajectory) -> dict[str, bytes | str | int | float]:
@@ -61,7 +62,8 @@ def encode_drop(notice: GroupDropNotice) -> dict[str, bytes | str | int | float]
 
 def decode_entry(fields: Fields) -> Trajectory | GroupDropNotice:
     """Decode one stream entry's fields (bytes or str keys, as redis-py returns them)."""
-    raw = fields.get(b"payload", fields.get("payload"))
+    lookup = cast(Mapping[Any, Any], fields)  # either key type
+    raw = lookup.get(b"payload", lookup.get("payload"))
     if not isinstance(raw, bytes):
         raise CodecError("entry has no binary 'payload' field")
     try:
@@ -101,7 +103,7 @@ def _trajectory_from(body: dict[str, Any]) -> Trajectory:
     if not isinstance(body["turns"], list):
         raise CodecError(f"turns is a {type(body['turns']).__name__}, expected a list")
     turns = [_turn_from(row, i) for i, row in enumerate(body["turns"])]
-    arrays = {}
+    arrays: dict[str, Any] = {}
     for name, dtype in _ARRAY_FIELDS.items():
         value = body[name]
         if not isinstance(value, np.ndarray) or value.dtype != dtype or value.ndim != 1:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import redis
 import redis.asyncio
@@ -220,7 +221,7 @@ class Ledger:
     def announce(self, version: int, announcement: dict[str, str | int]) -> None:
         """Re-announce the weights of an already published version (a resumed trainer's model)."""
         with self.client.pipeline(transaction=True) as pipe:
-            pipe.xadd(self.keys.weights, {"version": version, **announcement})
+            pipe.xadd(self.keys.weights, {"version": version, **announcement})  # type: ignore[dict-item]  # str keys
             pipe.xadd(self.keys.control, {"kind": "version", "version": version}, maxlen=1000, approximate=True)
             pipe.execute()
 
@@ -240,7 +241,7 @@ class Ledger:
         """In-flight groups admitted longer than `timeout_s` ago (by the Redis server's clock)."""
         seconds, micros = self.client.time()
         cutoff = seconds + micros / 1e6 - timeout_s
-        return [g.decode() for g in self.client.zrangebyscore(self.keys.inflight, "-inf", cutoff)]
+        return [text(g) for g in cast(list[bytes], self.client.zrangebyscore(self.keys.inflight, "-inf", cutoff))]
 
     def lost_groups(self) -> dict[str, int]:
         """In-flight groups whose admitting worker process is gone -> its rank.
@@ -298,7 +299,8 @@ class Ledger:
         Groups already in flight are left alone; returns how many were newly admitted."""
         seconds, micros = self.client.time()
         now = seconds + micros / 1e6
-        added = int(self.client.zadd(self.keys.inflight, {g: now for g in group_ids}, nx=True)) if group_ids else 0
+        added = int(cast(int, self.client.zadd(self.keys.inflight, {g: now for g in group_ids}, nx=True))) \
+            if group_ids else 0
         if added:
             self.client.hincrby(self.keys.counters, "admitted", added)
         return added

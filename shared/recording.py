@@ -18,7 +18,7 @@ from rollstream.shared.codec import CodecError
 FORMAT = "rollstream-trajectories"
 FORMAT_VERSION = 1
 
-Fields = Mapping[bytes | str, bytes | str | int | float]
+Fields = Mapping[bytes, bytes | str | int | float] | Mapping[str, bytes | str | int | float]
 
 
 class Recorder:

@@ -158,7 +158,7 @@ def connect(url: str, cfg: RedisConfig) -> redis.Redis:
     """A client that rides out outages up to redis.max_outage_s, after a quick probe that the URL works."""
     _probe(url)
     retry = OutageRetry(_Outage(url, cfg.max_outage_s))
-    return redis.Redis.from_url(url, retry=retry, **_options(cfg))  # type: ignore[arg-type]
+    return redis.Redis.from_url(url, retry=retry, **_options(cfg))
 
 
 async def connect_async(url: str, cfg: RedisConfig) -> redis.asyncio.Redis:
@@ -231,6 +231,13 @@ async def write_with_backoff(write: Callable[[], Awaitable[T]], what: str, limit
                                        f"{limit_s:g}) while {what}: raise maxmemory or check that the trainer "
                                        "is running and consuming") from None
             await asyncio.sleep(_backoff().compute(failures))
+
+
+StreamEntries = list[tuple[bytes, dict[bytes, bytes]]]
+"""An XRANGE / XREVRANGE reply, or one stream's part of an XREAD reply, as our clients return it (bytes)."""
+StreamReplies = list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes] | None]]]]
+"""An XREAD / XREADGROUP reply: (stream, entries) per stream; an entry re-read from a consumer's pending list has
+fields None when it was deleted since delivery."""
 
 
 def text(value: bytes | str) -> str:

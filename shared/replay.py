@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import cast
 
 import redis
 
@@ -10,6 +11,7 @@ from rollstream.shared.codec import decode_entry
 from rollstream.shared.keys import Keys
 from rollstream.shared.ledger import Ledger
 from rollstream.shared.recording import Recorder, read_records
+from rollstream.shared.redis_io import StreamEntries
 
 
 def record_backlog(client: redis.Redis, keys: Keys, path: str | os.PathLike[str], limit: int | None = None) -> int:
@@ -18,7 +20,8 @@ def record_backlog(client: redis.Redis, keys: Keys, path: str | os.PathLike[str]
     start = "-"
     with Recorder(path) as recorder:
         while limit is None or written < limit:
-            page = client.xrange(keys.traj, min=start, max="+", count=min(512, limit - written) if limit else 512)
+            page = cast(StreamEntries, client.xrange(keys.traj, min=start, max="+",
+                                                     count=min(512, limit - written) if limit else 512))
             if not page:
                 break
             for _, fields in page:

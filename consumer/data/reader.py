@@ -11,11 +11,13 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import cast
 
 import redis
 
 from rollstream.shared.codec import CodecError, decode_entry
 from rollstream.shared.keys import TRAINER_GROUP, Keys
+from rollstream.shared.redis_io import StreamReplies
 from rollstream.shared.schema import GroupDropNotice, Trajectory
 
 log = logging.getLogger(__name__)
@@ -102,10 +104,11 @@ class StreamReader:
     def read(self) -> list[Entry]:
         """One XREADGROUP: pending entries first, then new ones, blocking up to block_ms for new ones."""
         rereading = self._pending_cursor is not None
-        cursor = self._pending_cursor if rereading else ">"
+        cursor: bytes | str = self._pending_cursor if self._pending_cursor is not None else ">"
         try:
-            reply = self.client.xreadgroup(TRAINER_GROUP, self.consumer, {self.stream: cursor},  # type: ignore[dict-item]
-                                           count=self.count, block=None if rereading else self.block_ms)
+            reply = cast(StreamReplies, self.client.xreadgroup(
+                TRAINER_GROUP, self.consumer, {self.stream: cursor}, count=self.count,
+                block=None if rereading else self.block_ms))
         except redis.ResponseError as e:
             if "NOGROUP" not in str(e):
                 raise
@@ -122,7 +125,8 @@ class StreamReader:
         return self._decode(raw)
 
     def _decode(self, raw: list[tuple[bytes, dict[bytes, bytes] | None]]) -> list[Entry]:
-        entries, deleted = [], []
+        entries: list[Entry] = []
+        deleted: list[bytes] = []
         for entry_id, fields in raw:
             if fields is None:  # pending, but deleted from the stream meanwhile: nothing left to process
                 deleted.append(entry_id)
