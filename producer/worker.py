@@ -228,8 +228,8 @@ class EnvWorker:
 
     async def _follow_streams(self, ids: dict[str, bytes | str]) -> None:
         while not self.stop.is_set():
-            replies = cast(list[tuple[bytes, StreamEntries]], await self.client.xread(ids,  # type: ignore[arg-type]  # str or bytes ids
-                                                                  block=self.cfg.redis.block_ms))
+            raw = await self.client.xread(ids, block=self.cfg.redis.block_ms)  # type: ignore[arg-type]  # str ids
+            replies = cast(list[tuple[bytes, StreamEntries]], raw)
             for stream, entries in replies:
                 name = stream.decode()
                 ids[name] = entries[-1][0]
