@@ -56,7 +56,8 @@ class Validator:
         return stats
 
     def _announce(self, fields: dict[str, str | int]) -> None:
-        self.client.xadd(self.keys.control, fields, maxlen=1000, approximate=True)  # type: ignore[arg-type]
+        self.client.xadd(self.keys.control, fields, maxlen=1000,  # type: ignore[arg-type]  # str keys
+                         approximate=True)
 
     def _collect(self, round_: int) -> tuple[list[Trajectory], int]:
         deadline = time.monotonic() + self.cfg.group_timeout_s

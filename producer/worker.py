@@ -13,7 +13,7 @@ import os
 import socket
 import time
 import uuid
-from collections import Counter, defaultdict
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -21,6 +21,7 @@ from typing import Any, cast
 import redis.asyncio
 
 from rollstream.producer.episode import EpisodeSpec, Sampling, play_episode
+from rollstream.producer.episode_book import EpisodeBook
 from rollstream.producer.policy.base import Policy
 from rollstream.producer.policy.factory import chat_template_of
 from rollstream.producer.validation import ValidationPlayer
@@ -352,47 +353,37 @@ class GroupRunner:
         self.spec = spec
         self.env_cfg = worker.cfg.custom_envs[spec.tag]
         self.prefix = group_prefix("train", spec.tag, spec.group_index)
-        self.admitted: dict[int, int] = {}
-        """k -> episode index of this group's k-th episode, until every member is done with it."""
-        self.done: dict[int, set[int]] = defaultdict(set)
-        """k -> members done with it: their trajectory is in the stream, or they skipped a failed episode."""
-        self.failed: set[int] = set()
-        """k's already reported to the trainer as failed; the members still to play them skip them."""
-        self.num_admitted = 0
-        self.last_episode = -1
-        """The highest episode index admitted to this group in this process: Redis never hands out a lower one."""
+        self.book = EpisodeBook(worker.layout.group_size)
         self.lock = asyncio.Lock()
 
     async def next_episode(self, k: int) -> int | None:
         """The k-th episode of this group (k counts per member): admitted by whichever member needs it first."""
         if self.worker.episodes_per_group is not None and k >= self.worker.episodes_per_group:
             return None
-        if k < self.num_admitted:
+        if (episode := self.book.episode(k)) is not None:
             # Already admitted: never queue behind a member that is waiting for a slot for a later episode,
             # or the group can deadlock (its slots free up only when the slow members finish this one).
-            return self.admitted[k]
+            return episode
         async with self.lock:
-            if k == self.num_admitted:
+            if k == self.book.num_admitted:
                 admission = await self.worker.wait_for_slot(self.prefix)
                 if admission is None or admission.episode is None:
                     return None
-                if admission.episode <= self.last_episode:
+                if admission.episode <= self.book.last_episode:
                     raise RedisDataLost(
                         f"worker {self.worker.rank}: Redis admitted episode {admission.episode} of {self.prefix}* "
-                        f"again (episode {self.last_episode} was already admitted): it lost writes (a restart "
+                        f"again (episode {self.book.last_episode} was already admitted): it lost writes (a restart "
                         f"without its AOF, or an AOF behind); {RESUME_HINT}")
-                self.last_episode = admission.episode
-                self.admitted[k] = admission.episode
-                self.num_admitted += 1
-            return self.admitted[k]
+                self.book.admit(admission.episode)
+            return self.book.episode(k)
 
     async def run_member(self, member: int) -> None:
         env = self._make_env()
         k = 0
         while (episode := await self.next_episode(k)) is not None:
-            if k not in self.failed and not await self._play(env, k, episode, member):
+            if not self.book.failed(k) and not await self._play(env, k, episode, member):
                 env = self._make_env()  # the failed instance may be in any state
-            self._mark_done(k, member)
+            self.book.mark_done(k, member)
             k += 1
 
     async def _play(self, env: TextEnv, k: int, episode: int, member: int) -> bool:
@@ -409,16 +400,10 @@ class GroupRunner:
             self.worker.stats.errors[self.spec.tag] += 1
             await self._report_failed(k, spec.group_id, f"{type(e).__name__}: {e}")
             return False
-        if k not in self.failed:  # a member that failed meanwhile already ended the group
+        if not self.book.failed(k):  # a member that failed meanwhile already ended the group
             await self.worker.publish(encode_trajectory(traj))
             self.worker.stats.episodes[self.spec.tag] += 1
         return True
-
-    def _mark_done(self, k: int, member: int) -> None:
-        self.done[k].add(member)
-        if len(self.done[k]) == self.worker.layout.group_size:
-            del self.done[k], self.admitted[k]
-            self.failed.discard(k)
 
     def _make_env(self) -> TextEnv:
         return make_env(self.spec.tag, self.worker.cfg.custom_envs)
@@ -427,17 +412,14 @@ class GroupRunner:
         return Sampling.training(self.env_cfg.max_tokens_per_step, self.worker.cfg.actor_infer.generating_args)
 
     async def _report_failed(self, k: int, group_id: str, detail: str) -> None:
-        if k in self.failed:
+        if not self.book.mark_failed(k):
             return
-        self.failed.add(k)
         await self.worker.publish(encode_drop(GroupDropNotice(group_id, "error", detail[:500], self.worker.rank)))
 
     async def drop_unfinished(self, reason: str) -> bool:
         """On shutdown: tell the trainer which admitted episodes will never complete, so their slots return.
         False when Redis could not be reached."""
-        for k, episode in list(self.admitted.items()):
-            if k in self.failed:
-                continue
+        for episode in self.book.unfinished():
             group_id = f"{self.prefix}{episode}"
             try:
                 await self.worker.publish(encode_drop(GroupDropNotice(group_id, reason, "", self.worker.rank)))

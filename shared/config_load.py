@@ -165,7 +165,7 @@ def _resolve(data: dict[str, Any]) -> dict[str, Any]:
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise ConfigError(f"config key {key!r}: {first}" if key else f"config: {first}") from None
     assert isinstance(resolved, dict)
-    return resolved  # type: ignore[return-value]
+    return resolved  # type: ignore[return-value]  # a resolved mapping's keys are str (checked when read)
 
 
 _ADAPTER = TypeAdapter(RollstreamConfig)

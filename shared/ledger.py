@@ -133,7 +133,6 @@ class Admission:
     """The episode index this group may start, or None when no slot was given."""
     version: int
     """The published version at admission: the episode must start with weights at least this new."""
-    paused: bool = False
     finished: bool = False
     """The trainer reached max_steps: nothing is admitted any more."""
 
@@ -157,7 +156,7 @@ class AsyncAdmissions:
             args=[self.groups_per_batch, self.ratio, group_prefix, self.owner],
         )
         if episode < 0:
-            return Admission(None, int(version), paused=episode == -1, finished=episode == -3)
+            return Admission(None, int(version), finished=episode == -3)
         return Admission(int(episode), int(version))
 
 

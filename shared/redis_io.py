@@ -164,6 +164,7 @@ def connect(url: str, cfg: RedisConfig) -> redis.Redis:
 async def connect_async(url: str, cfg: RedisConfig) -> redis.asyncio.Redis:
     await asyncio.to_thread(_probe, url)
     retry = AsyncOutageRetry(_Outage(url, cfg.max_outage_s))
+    # redis-py types an async client's retry as its sync Retry; AsyncOutageRetry is the async policy it expects
     return redis.asyncio.Redis.from_url(url, retry=retry, **_options(cfg))  # type: ignore[arg-type]
 
 

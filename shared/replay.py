@@ -40,6 +40,6 @@ def replay_file(client: redis.Redis, keys: Keys, path: str | os.PathLike[str]) -
     Ledger(client, keys).register(group_ids)
     with client.pipeline(transaction=False) as pipe:
         for fields in records:
-            pipe.xadd(keys.traj, fields)  # type: ignore[arg-type]
+            pipe.xadd(keys.traj, fields)  # type: ignore[arg-type]  # fields as recorded: bytes or str keys
         pipe.execute()
     return len(records)

@@ -40,7 +40,7 @@ def test_returned_slots_are_admitted_again_and_paused_admits_nothing(redis_serve
     assert [r.episode for r in _admit_all(redis_server.url, "train/A/g0/e", 1, g=1)] == [1]
     redis_client.set(KEYS.paused, 1)
     paused = _admit_all(redis_server.url, "train/A/g0/e", 1, g=5)[0]
-    assert paused.episode is None and paused.paused
+    assert paused.episode is None and not paused.finished  # g=5 leaves room under the cap: the pause refused it
     counts = ledger.counters()
     assert counts == {"admitted": 2, "returned": 1, "timeout_dropped": 1, "in_flight": 1}
     assert reconciles(counts)

@@ -12,6 +12,7 @@ import redis.asyncio
 from PIL import Image
 
 from rollstream.consumer.data.batcher import Batcher
+from rollstream.producer.episode_book import EpisodeBook
 from rollstream.producer.policy.scripted import ScriptedPolicy
 from rollstream.producer.worker import EnvWorker
 from rollstream.shared.codec import decode_entry
@@ -130,12 +131,33 @@ def test_a_member_behind_gets_an_admitted_episode_while_another_waits_for_a_slot
             await never.wait()  # the cap is reached: no slot until a group completes
 
         worker = SimpleNamespace(cfg=SimpleNamespace(custom_envs={"FrozenLake": None}), episodes_per_group=None,
-                                 wait_for_slot=wait_for_slot)
+                                 wait_for_slot=wait_for_slot, layout=SimpleNamespace(group_size=4))
         runner = GroupRunner(worker, GroupSpec(0, "FrozenLake", 0))  # type: ignore[arg-type]
-        runner.admitted, runner.num_admitted = {0: 10, 1: 11}, 2
+        runner.book.admit(10), runner.book.admit(11)
         fast = asyncio.create_task(runner.next_episode(2))  # holds the lock while it waits for a slot
         await asyncio.sleep(0)
         assert await asyncio.wait_for(runner.next_episode(1), timeout=1.0) == 11
         fast.cancel()
 
     asyncio.run(scenario())
+
+
+def test_the_episode_book_forgets_an_episode_once_every_member_is_done() -> None:
+    book = EpisodeBook(group_size=2)
+    assert book.episode(0) is None
+    assert (book.admit(7), book.admit(9)) == (0, 1)
+    assert (book.episode(0), book.episode(1), book.last_episode) == (7, 9, 9)
+    book.mark_done(0, member=0)
+    assert book.episode(0) == 7 and book.unfinished() == [7, 9]  # member 1 still plays it
+    book.mark_done(0, member=1)
+    assert book.episode(0) is None and book.unfinished() == [9]
+
+
+def test_a_failed_episode_is_reported_once_skipped_by_the_rest_and_not_abandoned_again() -> None:
+    book = EpisodeBook(group_size=3)
+    k = book.admit(4)
+    assert book.mark_failed(k) and not book.mark_failed(k)  # the first member to fail reports it
+    assert book.failed(k) and book.unfinished() == []  # already ended: a stopping worker does not report it
+    for member in range(3):
+        book.mark_done(k, member)
+    assert not book.failed(k) and book.episode(k) is None

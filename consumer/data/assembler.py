@@ -70,6 +70,10 @@ class GroupAssembler:
             return None
         return self.ready.popitem(last=False)[1]
 
+    def take_oldest(self, n: int) -> list[Group]:
+        """The `n` oldest complete groups (at most as many as are ready)."""
+        return [self.ready.popitem(last=False)[1] for _ in range(min(n, len(self.ready)))]
+
     def discard(self, group_id: str) -> list[bytes]:
         """Forget a group (dropped); returns its entry ids to acknowledge."""
         group = self.partial.pop(group_id, None) or self.ready.pop(group_id, None)

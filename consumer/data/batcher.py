@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import redis
 
-from rollstream.consumer.data.assembler import Group, GroupAssembler
+from rollstream.consumer.data.assembler import Added, Group, GroupAssembler
 from rollstream.consumer.data.reader import Entry, StreamReader
 from rollstream.shared.config import RollstreamConfig
 from rollstream.shared.keys import Keys
@@ -35,7 +35,8 @@ class Batch:
     groups: list[Group]
     wait_s: float = 0.0
     dropped: Counter[str] = field(default_factory=Counter)
-    """Groups dropped while this batch was gathered, by outcome (stale_dropped, timeout_dropped, ...)."""
+    """Groups dropped while this batch was gathered, by outcome (stale_dropped, timeout_dropped, ...), and the
+    trajectories delivered twice (`duplicate_trajectories`, de-duplicated by trajectory id)."""
 
     @property
     def trajectories(self) -> list[Trajectory]:
@@ -64,9 +65,9 @@ class Batcher:
         while True:
             self._drop_stale(step)
             if len(self.assembler.ready) >= self.groups_per_batch:
-                groups = [self.assembler.take_ready() for _ in range(self.groups_per_batch)]
+                groups = self.assembler.take_oldest(self.groups_per_batch)
                 dropped, self._dropped = self._dropped, Counter()
-                return Batch(step, groups, time.monotonic() - start, dropped)  # type: ignore[arg-type]
+                return Batch(step, groups, time.monotonic() - start, dropped)
             if timeout_s is not None and time.monotonic() - start > timeout_s:
                 return None
             self.poll_once()
@@ -128,7 +129,8 @@ class Batcher:
                 ended_here.add(item.group_id)
             else:
                 try:
-                    self.assembler.add(entry.entry_id, item, now)
+                    if self.assembler.add(entry.entry_id, item, now) is Added.DUPLICATE:
+                        self._dropped["duplicate_trajectories"] += 1  # a retried XADD; acked with its group
                 except ValueError as e:
                     self.reader.dead_letter(entry.entry_id, {b"traj_id": item.traj_id.encode()}, str(e))
         self.ledger.ack_orphans(orphans)

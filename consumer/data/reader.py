@@ -70,7 +70,6 @@ class StreamReader:
         """The last read of new entries returned less than a full page: the backlog has been read."""
         self.rereading = False
         """The last read returned pending entries (ones this consumer may already hold)."""
-        self.dead_letters = 0
         self._dead_letter = client.register_script(DEAD_LETTER_LUA)
         self._ensure_group = client.register_script(ENSURE_GROUP_LUA)
         self.ensure_group()
@@ -150,4 +149,3 @@ class StreamReader:
                 letter += [b"size:" + name, len(value)]
         self._dead_letter(keys=[self.keys.dead, self.stream, self.keys.counters],
                           args=[TRAINER_GROUP, entry_id, DEAD_MAXLEN, *letter])
-        self.dead_letters += 1

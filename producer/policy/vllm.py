@@ -43,7 +43,7 @@ class TiedLMHeadReloadExtension:
         """Reload in place from `weights_path`, then reprocess tied LM heads; returns how many were redone."""
         from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 
-        runner: Any = self.model_runner  # type: ignore[attr-defined]
+        runner: Any = self.model_runner  # type: ignore[attr-defined]  # mixed into vLLM's worker at run time
         runner.reload_weights(weights_path=weights_path)
         model = runner.get_model()
         embeddings = {id(m.weight) for name, m in model.named_modules() if name.endswith("embed_tokens")}
