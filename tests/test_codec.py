@@ -78,6 +78,15 @@ def test_flipping_a_byte_of_a_real_payload_is_caught_or_harmless(position: int, 
     payload = bytearray(encode_trajectory(make_traj())["payload"])
     payload[position % len(payload)] = value
     try:
-        decode_entry({b"payload": bytes(payload)})
+        traj = decode_entry({b"payload": bytes(payload)})
     except CodecError:
-        pass
+        return
+    # Harmless: what decodes is a well-formed trajectory (a changed value, not a changed shape or type), which
+    # encodes again to the same thing.
+    assert isinstance(traj, Trajectory)
+    assert isinstance(traj.group_id, str) and isinstance(traj.member, int) and isinstance(traj.version, int)
+    assert all(isinstance(turn.version, int) for turn in traj.turns)
+    assert len(traj.input_ids) == len(traj.response_mask) == len(traj.logprobs)
+    again = decode_entry(encode_trajectory(traj))
+    assert isinstance(again, Trajectory) and again.traj_id == traj.traj_id
+    assert np.array_equal(again.input_ids, traj.input_ids) and again.turns == traj.turns
