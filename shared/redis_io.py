@@ -202,7 +202,7 @@ def _unreachable(url: str, e: BaseException) -> str:
     timed_out = isinstance(e, (redis.TimeoutError, TimeoutError))
     cut = "reset" in detail or "closed" in detail
     if url.startswith("rediss://") and timed_out:
-        hint = "no answer to the TLS handshake: if the server speaks plain detail, use redis://"
+        hint = "no answer to the TLS handshake: if the server speaks plain text, use redis://"
     elif url.startswith("rediss://") and ("SSL" in detail or cut):
         hint = "the TLS handshake failed: check the CA certificate (?ssl_ca_certs=...) and that the port speaks TLS"
     elif timed_out or cut:
