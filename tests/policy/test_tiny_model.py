@@ -42,12 +42,15 @@ def test_the_configs_fit_vllm_cpu(tied_model: TinyVersions, untied_model: TinyVe
 
 def test_the_format_warm_start_teaches_the_reply_format(tied_model: TinyVersions, tmp_path: Path) -> None:
     model_dir = shutil.copytree(tied_model.v0, tmp_path / "m")
+    before = format_valid_rate(model_dir, prompts=16)
     # One thread: on a shared 2-core box, two oversubscribed threads ran this 4x slower.
-    stats = sft_format_warm_start(model_dir, steps=25, batch_size=8, threads=1)
-    assert stats["steps"] == 25
-    # A random init scores about ln(vocab) per token; 25 steps on the format take it far below.
+    stats = sft_format_warm_start(model_dir, steps=50, batch_size=8, threads=1)
+    assert stats["steps"] == 50
+    # A random init scores about ln(vocab) per token; 50 steps on the format take it far below.
     assert stats["loss"] < 0.5 * math.log(describe(model_dir)["vocab"])
-    assert 0.0 <= format_valid_rate(model_dir, prompts=16) <= 1.0
+    # ... and from (almost) never replying in the format to doing so often (0.0 -> 0.62 on another tiny build)
+    after = format_valid_rate(model_dir, prompts=16)
+    assert before <= 0.125 and after >= 0.25, (before, after)
 
 
 def test_main_tiny_model_builds_and_warm_starts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
