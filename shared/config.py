@@ -31,6 +31,8 @@ class CustomEnvConfig:
     """Most tokens the policy may generate in one reply."""
     env_config: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments for the env's constructor."""
+    step_timeout_s: float | None = 300.0
+    """Seconds an env reset or step may take (on a thread) before its episode fails; null: on the event loop."""
 
 
 @dataclass
