@@ -35,7 +35,8 @@ class DaemonThreads:
         self._idle = 0
         self.started = 0
 
-    async def run(self, call: Callable[[], T]) -> T:
+    def submit(self, call: Callable[[], T]) -> asyncio.Future[T]:
+        """`call()` on a thread; its outcome lands in the returned future of the running loop."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
         with self._lock:
@@ -45,11 +46,15 @@ class DaemonThreads:
                 self.started += 1
                 threading.Thread(target=self._work, name=f"env-call-{self.started}", daemon=True).start()
         self._jobs.put((loop, future, call))
-        return await future
+        return future
 
     def _work(self) -> None:
         while True:
             loop, future, call = self._jobs.get()
+            if future.cancelled():  # its episode ended while the call waited for a thread: skip it
+                with self._lock:
+                    self._idle += 1
+                continue
             try:
                 outcome: tuple[bool, Any] = (True, call())
             except BaseException as e:  # handed to the awaiting coroutine, which decides
@@ -79,7 +84,15 @@ async def call_env(call: Callable[[], T], timeout_s: float | None, what: str) ->
     """`call()` on a daemon thread, raising EnvStepTimeout after `timeout_s`; with None, on the loop itself."""
     if timeout_s is None:
         return call()
+    future = _THREADS.submit(call)
+    # asyncio.wait, not wait_for: on Python < 3.12 wait_for can swallow a cancellation that arrives as the
+    # call completes, and a worker's member task would then play on after its shutdown.
     try:
-        return await asyncio.wait_for(_THREADS.run(call), timeout_s)
-    except asyncio.TimeoutError:
-        raise EnvStepTimeout(f"{what} did not return within {timeout_s:g} s") from None
+        done, _ = await asyncio.wait({future}, timeout=timeout_s)
+    except asyncio.CancelledError:
+        future.cancel()
+        raise
+    if not done:
+        future.cancel()
+        raise EnvStepTimeout(f"{what} did not return within {timeout_s:g} s")
+    return future.result()
