@@ -53,6 +53,12 @@ class Run:
     """The workers' CPU milliseconds per episode after the release (load-independent: the machine's other
     work does not show in it, so flat figures mean the processes add no work of their own)."""
 
+    @property
+    def cores(self) -> float:
+        """CPU the workers got while playing, in cores: below the process count, the machine was busy elsewhere
+        (or the workers waited on Redis)."""
+        return self.rate * self.cpu_ms / 1000
+
 
 def overrides(name: str, out: Path, processes: int, on_loop: bool) -> list[str]:
     return [
@@ -151,18 +157,19 @@ def main() -> None:
                                  "first run")
             runs[n].append(run)
             print(f"round {round_}: {n} processes {run.rate:.1f} episodes/s, {run.cpu_ms:.1f} CPU ms/episode, "
-                  f"{run.wall:.1f} s wall", flush=True)
+                  f"{run.cores:.2f} cores, {run.wall:.1f} s wall", flush=True)
     total = GROUPS * GROUP_SIZE * args.episodes_per_group
     where = "on the event loop" if args.on_loop else "on a thread (step_timeout_s)"
     print(f"\n{GROUPS} groups x {GROUP_SIZE} Sokoban 10x10 envs, {total} episodes per run, env calls {where}; "
           f"{os.cpu_count()} cores, load average {load_before} before, {loadavg()} after; {args.repeats} rounds, "
           "median (min-max); the same multiset of trajectories in every run: yes")
     base = statistics.median(r.rate for r in runs[1])
-    print("| processes | episodes/s | vs 1 process | CPU ms per episode | wall s (with start-up) |")
-    print("|---|---|---|---|---|")
+    print("| processes | episodes/s | vs 1 process | CPU ms per episode | cores used | wall s (with start-up) |")
+    print("|---|---|---|---|---|---|")
     for n in PROCESSES:
         print(f"| {n} | {spread([r.rate for r in runs[n]], '.1f')} | {spread([r.rate / base for r in runs[n]], '.2f')} "
-              f"| {spread([r.cpu_ms for r in runs[n]], '.1f')} | {spread([r.wall for r in runs[n]], '.1f')} |")
+              f"| {spread([r.cpu_ms for r in runs[n]], '.1f')} | {spread([r.cores for r in runs[n]], '.2f')} "
+              f"| {spread([r.wall for r in runs[n]], '.1f')} |")
     speedup = statistics.median(r.rate for r in runs[2]) / base
     print(f"goal: 2 processes >= 1.8x one: {'met' if speedup >= 1.8 else 'NOT met'} ({speedup:.2f}x)")
     write_results(runs, where)
@@ -172,10 +179,10 @@ def write_results(runs: dict[int, list[Run]], where: str) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     with open(RESULTS / "parallel_rollout.csv", "w", newline="") as f:
         out = csv.writer(f)
-        out.writerow(["processes", "run", "episodes_per_s", "cpu_ms_per_episode", "wall_s"])
+        out.writerow(["processes", "run", "episodes_per_s", "cpu_ms_per_episode", "cores_used", "wall_s"])
         for n in PROCESSES:
             for i, r in enumerate(runs[n]):
-                out.writerow([n, i, f"{r.rate:.2f}", f"{r.cpu_ms:.2f}", f"{r.wall:.2f}"])
+                out.writerow([n, i, f"{r.rate:.2f}", f"{r.cpu_ms:.2f}", f"{r.cores:.3f}", f"{r.wall:.2f}"])
     rates = {n: [r.rate for r in runs[n]] for n in PROCESSES}
     import matplotlib
 
