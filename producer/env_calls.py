@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+_Job = tuple[asyncio.AbstractEventLoop, "asyncio.Future[Any]", Callable[[], Any]]
 
 
 class EnvStepTimeout(TimeoutError):
@@ -29,8 +30,7 @@ class DaemonThreads:
     """Runs blocking calls on daemon threads, started when none is idle and reused after."""
 
     def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[tuple[asyncio.AbstractEventLoop, asyncio.Future[Any], Callable[[], Any]]]
-        self._jobs = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._idle = 0
         self.started = 0
@@ -51,7 +51,9 @@ class DaemonThreads:
     def _work(self) -> None:
         while True:
             loop, future, call = self._jobs.get()
-            if future.cancelled():  # its episode ended while the call waited for a thread: skip it
+            # Its episode ended while the call waited for a thread: skip it. (A read across threads, but a
+            # stale answer only means running a call nobody waits for.)
+            if future.cancelled():
                 with self._lock:
                     self._idle += 1
                 continue
