@@ -108,9 +108,9 @@ def run_once(url: str, out: Path, processes: int, episodes: int, name: str, on_l
         if w.returncode:
             raise RuntimeError(f"{name}: a worker exited with {w.returncode}:\n{err.decode()[-3000:]}")
     wall = time.monotonic() - start
-    entries = client.xrange(keys.traj)
+    entries: list[tuple[bytes, dict[bytes, bytes]]] = client.xrange(keys.traj)  # type: ignore[assignment]
     client.close()
-    trajs = [decode_entry(fields) for _, fields in entries]
+    trajs = [decode_entry(fields) for _, fields in entries]  # type: ignore[arg-type]
     if len(trajs) != expected or not all(isinstance(t, Trajectory) for t in trajs):
         raise RuntimeError(f"{name}: {len(trajs)} entries, not {expected} trajectories")
     last_ms = max(int(entry_id.split(b"-")[0]) for entry_id, _ in entries)
