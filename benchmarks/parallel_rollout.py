@@ -10,7 +10,9 @@ until every process is up; the rate is the episodes over the time from that rele
 the stream (by Redis's clock), so start-up, slower with more processes, counts against none; the wall time from
 the first spawn to the last exit is shown too.
 Every run must write the same multiset of trajectories (group, member, seed, observations, replies, score).
-Runs interleaved over `--repeats` rounds; medians with min and max. Goal: 2 processes >= 1.8x one.
+Baseline in the same round: the same number of Sokoban resets in 1, 2, 4 bare processes (no rollstream), what
+the machine's cores give right now. Runs interleaved over `--repeats` rounds; medians with min and max.
+Goal: 2 processes >= 1.8x one.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import csv
 import itertools
+import multiprocessing
 import os
 import statistics
 import subprocess
@@ -32,6 +35,7 @@ import redis
 
 from rollstream.shared.codec import decode_entry
 from rollstream.shared.embedded import EmbeddedRedis
+from rollstream.shared.envs.sokoban import SokobanEnv
 from rollstream.shared.keys import Keys
 from rollstream.shared.redis_io import URL_ENV
 from rollstream.shared.schema import Trajectory
@@ -124,6 +128,23 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def bare_resets(seeds: list[int]) -> None:
+    env = SokobanEnv(dim_room=(10, 10), num_boxes=2, search_depth=100)
+    for seed in seeds:
+        env.reset(seed=seed)
+
+
+def bare_rate(processes: int, resets: int) -> float:
+    """The baseline: Sokoban resets/s of `processes` bare processes (no rollstream, no Redis, no event loop),
+    what this machine's cores give right now to the same CPU-bound work."""
+    seeds = list(range(resets))
+    with multiprocessing.get_context("fork").Pool(processes) as pool:
+        pool.map(abs, range(processes))  # the pool's processes are up before the clock starts
+        start = time.monotonic()
+        pool.map(bare_resets, [seeds[i::processes] for i in range(processes)])
+        return resets / (time.monotonic() - start)
+
+
 def fingerprints(trajs: list[Trajectory]) -> Counter[tuple[object, ...]]:
     return Counter((t.group_id, t.member, t.seed, t.score, t.end_reason,
                     tuple((turn.observation, turn.reply) for turn in t.turns)) for t in trajs)
@@ -145,6 +166,7 @@ def main() -> None:
     args = parser.parse_args()
     load_before = loadavg()
     runs: dict[int, list[Run]] = {n: [] for n in PROCESSES}
+    bare: dict[int, list[float]] = {n: [] for n in PROCESSES}
     reference: Counter[tuple[object, ...]] | None = None
     with tempfile.TemporaryDirectory() as tmp, EmbeddedRedis(Path(tmp) / "redis") as server:
         for round_, n in itertools.product(range(args.repeats), PROCESSES):
@@ -156,33 +178,41 @@ def main() -> None:
                 raise SystemExit(f"{n} processes, round {round_}: not the same multiset of trajectories as the "
                                  "first run")
             runs[n].append(run)
+            bare[n].append(bare_rate(n, GROUPS * GROUP_SIZE * args.episodes_per_group))
             print(f"round {round_}: {n} processes {run.rate:.1f} episodes/s, {run.cpu_ms:.1f} CPU ms/episode, "
-                  f"{run.cores:.2f} cores, {run.wall:.1f} s wall", flush=True)
+                  f"{run.cores:.2f} cores, {run.wall:.1f} s wall; bare resets {bare[n][-1]:.1f}/s", flush=True)
     total = GROUPS * GROUP_SIZE * args.episodes_per_group
     where = "on the event loop" if args.on_loop else "on a thread (step_timeout_s)"
     print(f"\n{GROUPS} groups x {GROUP_SIZE} Sokoban 10x10 envs, {total} episodes per run, env calls {where}; "
           f"{os.cpu_count()} cores, load average {load_before} before, {loadavg()} after; {args.repeats} rounds, "
           "median (min-max); the same multiset of trajectories in every run: yes")
     base = statistics.median(r.rate for r in runs[1])
-    print("| processes | episodes/s | vs 1 process | CPU ms per episode | cores used | wall s (with start-up) |")
-    print("|---|---|---|---|---|---|")
+    bare_base = statistics.median(bare[1])
+    print("| processes | episodes/s | vs 1 process | CPU ms per episode | cores used | wall s (with start-up) "
+          "| bare resets/s | bare vs 1 |")
+    print("|---|---|---|---|---|---|---|---|")
     for n in PROCESSES:
         print(f"| {n} | {spread([r.rate for r in runs[n]], '.1f')} | {spread([r.rate / base for r in runs[n]], '.2f')} "
               f"| {spread([r.cpu_ms for r in runs[n]], '.1f')} | {spread([r.cores for r in runs[n]], '.2f')} "
-              f"| {spread([r.wall for r in runs[n]], '.1f')} |")
+              f"| {spread([r.wall for r in runs[n]], '.1f')} | {spread(bare[n], '.1f')} "
+              f"| {spread([b / bare_base for b in bare[n]], '.2f')} |")
     speedup = statistics.median(r.rate for r in runs[2]) / base
     print(f"goal: 2 processes >= 1.8x one: {'met' if speedup >= 1.8 else 'NOT met'} ({speedup:.2f}x)")
-    write_results(runs, where)
+    ceiling = statistics.median(bare[2]) / bare_base
+    print(f"the machine's own ceiling now (bare processes, same resets): 2 processes {ceiling:.2f}x one")
+    write_results(runs, bare, where)
 
 
-def write_results(runs: dict[int, list[Run]], where: str) -> None:
+def write_results(runs: dict[int, list[Run]], bare: dict[int, list[float]], where: str) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     with open(RESULTS / "parallel_rollout.csv", "w", newline="") as f:
         out = csv.writer(f)
-        out.writerow(["processes", "run", "episodes_per_s", "cpu_ms_per_episode", "cores_used", "wall_s"])
+        out.writerow(["processes", "run", "episodes_per_s", "cpu_ms_per_episode", "cores_used", "wall_s",
+                      "bare_resets_per_s"])
         for n in PROCESSES:
             for i, r in enumerate(runs[n]):
-                out.writerow([n, i, f"{r.rate:.2f}", f"{r.cpu_ms:.2f}", f"{r.cores:.3f}", f"{r.wall:.2f}"])
+                out.writerow([n, i, f"{r.rate:.2f}", f"{r.cpu_ms:.2f}", f"{r.cores:.3f}", f"{r.wall:.2f}",
+                              f"{bare[n][i]:.2f}"])
     rates = {n: [r.rate for r in runs[n]] for n in PROCESSES}
     import matplotlib
 
@@ -197,6 +227,9 @@ def write_results(runs: dict[int, list[Run]], where: str) -> None:
         ax.plot([i] * len(rates[n]), rates[n], "k.", zorder=3)
     ax.plot([str(n) for n in PROCESSES], [base * min(n, os.cpu_count() or 1) for n in PROCESSES], "r--",
             label="linear up to the core count")
+    bare_base = statistics.median(bare[1])
+    ax.plot([str(n) for n in PROCESSES], [base * statistics.median(bare[n]) / bare_base for n in PROCESSES], "g:",
+            marker="o", label="machine now: bare processes' scaling")
     ax.set_xlabel("env-worker processes")
     ax.set_ylabel("episodes/s")
     ax.set_title(f"Sokoban rollout, {os.cpu_count()} cores, env calls {where.split(' (')[0]}")
