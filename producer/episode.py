@@ -5,10 +5,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 
+from rollstream.producer.env_calls import call_env
 from rollstream.producer.policy.base import GenerateRequest, Generation, Policy, SamplingParams
 from rollstream.producer.policy.conversation import ChatTemplateDeltas, Conversation
 from rollstream.shared.config import GeneratingArgs
@@ -53,10 +55,15 @@ class Sampling:
 
 async def play_episode(env: TextEnv, policy: Policy, spec: EpisodeSpec, sampling: Sampling,
                        render_dir: Path | None = None, on_turn: Callable[[Turn], None] | None = None,
-                       chat: ChatTemplateDeltas | None = None, sequence_length: int = 0) -> Trajectory:
+                       chat: ChatTemplateDeltas | None = None, sequence_length: int = 0,
+                       step_timeout_s: float | None = None) -> Trajectory:
     """Play one episode. With `chat` (token-in/token-out policies) the conversation is kept as token ids,
-    capped at `sequence_length`; without it (the scripted policy) as messages only."""
-    observation, _ = env.reset(seed=spec.seed)
+    capped at `sequence_length`; without it (the scripted policy) as messages only. With `step_timeout_s`
+    the env's reset and steps run on a thread, each within that many seconds or EnvStepTimeout is raised;
+    without it they run on the event loop."""
+    where = f"(limit: custom_envs.{spec.tag}.step_timeout_s)"
+    observation, _ = await call_env(partial(env.reset, seed=spec.seed), step_timeout_s,
+                                    f"the {spec.tag} env's reset {where}")
     transcript = _Transcript(env.system_prompt(), chat, sequence_length)
     turns: list[Turn] = []
     score, success, end_reason = 0.0, False, "max_actions"
@@ -75,7 +82,8 @@ async def play_episode(env: TextEnv, policy: Policy, spec: EpisodeSpec, sampling
         )
         generation = await policy.generate(request)
         span = transcript.add_reply(generation)
-        next_observation, reward, terminated, truncated, info = env.step(generation.text)
+        next_observation, reward, terminated, truncated, info = await call_env(
+            partial(env.step, generation.text), step_timeout_s, f"the {spec.tag} env's step {t + 1} {where}")
         turns.append(Turn(generation.version, observation, generation.text, info["action"],
                           bool(info["action_is_valid"]), float(reward), span, generation.finish_reason))
         frames.save(t + 1)

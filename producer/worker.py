@@ -322,7 +322,8 @@ class EnvWorker:
     async def play(self, env: TextEnv, spec: EpisodeSpec, sampling: Sampling, render_dir: Path | None = None
                    ) -> Trajectory:
         return await play_episode(env, self.policy, spec, sampling, render_dir, chat=self.chat,
-                                  sequence_length=self.cfg.sequence_length)
+                                  sequence_length=self.cfg.sequence_length,
+                                  step_timeout_s=self.cfg.custom_envs[spec.tag].step_timeout_s)
 
     async def publish(self, fields: dict[str, bytes | str | int | float], stream: str | None = None) -> None:
         """XADD, counting this writer's entries in the same transaction: a count lower than the last one seen

@@ -86,6 +86,8 @@ class CustomEnvConfig:
     """ROLL's system prompt text, put before the env's rules, symbols and actions; unset: those alone."""
     agent_template: Annotated[str | None, AfterValidator(check_turn_template)] = None
     """ROLL's user message of a turn, with {turn_idx}, {observation}, {actions_left}, {max_response_length}."""
+    step_timeout_s: Annotated[float | None, Field(gt=0)] = 300.0
+    """Seconds an env reset or step may take (on a thread) before its episode fails; null: on the event loop."""
 
 
 XSB_VOCAB = {"wall": "#", "empty": "-", "target": ".", "box": "$", "box_on_target": "*", "player": "@",

@@ -14,11 +14,13 @@ from rollstream.shared.envs.text import format_reply
 
 
 class ScriptedPolicy:
-    def __init__(self, *, invalid_reply_rate: float = 0.0, delay_s: float = 0.0) -> None:
+    def __init__(self, *, invalid_reply_rate: float = 0.0, delay_s: float = 0.0, turn_latency_s: float = 0.0) -> None:
         self.invalid_reply_rate = invalid_reply_rate
         """Share of replies that are deliberately garbage, to exercise the format penalty."""
         self.delay_s = delay_s
         """Mean seconds per reply (uniform in [0, 2 * delay_s]), to stand in for generation time."""
+        self.turn_latency_s = turn_latency_s
+        """Fixed seconds added to every reply: a generation time without jitter, for benchmarks."""
         self._version = 0
 
     @property
@@ -29,8 +31,9 @@ class ScriptedPolicy:
         if not request.action_names:
             raise ValueError("the scripted policy needs the env's action_names in the request")
         rng = np.random.default_rng(request.sampling.seed)
-        if self.delay_s:
-            await asyncio.sleep(2 * self.delay_s * rng.random())
+        delay = self.turn_latency_s + (2 * self.delay_s * rng.random() if self.delay_s else 0.0)
+        if delay:
+            await asyncio.sleep(delay)
         if rng.random() < self.invalid_reply_rate:
             return Generation(text="I am not sure what to do.", version=self._version)
         action = request.action_names[int(rng.integers(len(request.action_names)))]
