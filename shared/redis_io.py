@@ -158,7 +158,7 @@ def connect(url: str, cfg: RedisConfig) -> redis.Redis:
     """A client that rides out outages up to redis.max_outage_s, after a quick probe that the URL works."""
     _probe(url)
     retry = OutageRetry(_Outage(url, cfg.max_outage_s))
-    return redis.Redis.from_url(url, retry=retry, **_options(cfg))  # type: ignore[arg-type]
+    return redis.Redis.from_url(url, retry=retry, **_options(cfg))
 
 
 async def connect_async(url: str, cfg: RedisConfig) -> redis.asyncio.Redis:
