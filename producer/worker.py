@@ -137,14 +137,17 @@ class EnvWorker:
         stopped: asyncio.Future[Any] = asyncio.create_task(self.stop.wait())
         failure: BaseException | None = None
         try:
-            await asyncio.wait([playing, stopped], return_when=asyncio.FIRST_COMPLETED)
-            if playing.done() and not playing.cancelled():
-                failure = playing.exception()  # a member crashed: clean up, then re-raise
+            await asyncio.wait([playing, stopped, *background], return_when=asyncio.FIRST_COMPLETED)
+            for task in (playing, *background):  # a member or the heartbeat failed: clean up, then re-raise
+                if task.done() and not task.cancelled() and task.exception() is not None:
+                    failure = task.exception()
+                    break
         finally:
             # The loops also end by this flag: redis-py can swallow a cancellation that lands inside a blocking
             # command (redis/redis-py#2028, #2579), and a `while True` loop would then never return.
             self.stop.set()
-            tasks: list[asyncio.Future[Any]] = [playing, *background, stopped, *self._val_tasks]
+            # members too: gather cancels none of them when one fails
+            tasks: list[asyncio.Future[Any]] = [playing, *members, *background, stopped, *self._val_tasks]
             for task in tasks:
                 task.cancel()
             done, stuck = await asyncio.wait(tasks, timeout=SHUTDOWN_REPORT_S)
@@ -316,6 +319,8 @@ class EnvWorker:
             log.error("worker %d: %s", self.rank, self.twin)
             self.request_stop()
         self._beats += 1
+        # An idle worker (waiting for a slot) writes nothing: check here too that Redis kept our writes.
+        self._check_writes(int(await self.client.hget(self.keys.run, self.writer) or 0), self._writes_floor())
 
     # ---- playing and writing ----
 
@@ -337,13 +342,20 @@ class EnvWorker:
 
         if self.writes_base is None:  # read once, before any write of this process
             self.writes_base = int(await self.client.hget(self.keys.run, self.writer) or 0)
-        floor = self.writes_base + self.writes  # acknowledged before this write was sent (others may be in flight)
+        floor = self._writes_floor()  # acknowledged before this write was sent (others may be in flight)
         _, written = await write_with_backoff(write, "writing a trajectory", self.cfg.redis.max_outage_s)
-        if int(written) <= floor:  # a retried write may count twice, never less
-            raise RedisDataLost(f"worker {self.rank}: Redis counts {written} entries written by this worker, but it "
-                                f"had acknowledged {floor}: it lost writes (a restart without its AOF, or an "
-                                f"AOF behind); {RESUME_HINT}")
+        self._check_writes(int(written) - 1, floor)  # a retried write may count twice, never less
         self.writes += 1
+
+    def _writes_floor(self) -> int:
+        """The least count Redis may hold for this writer: what it had at start plus what it acknowledged since."""
+        return (self.writes_base or 0) + self.writes
+
+    def _check_writes(self, counted: int, floor: int) -> None:
+        if counted < floor:
+            raise RedisDataLost(f"worker {self.rank}: Redis counts {counted} entries written by this worker, but "
+                                f"it had acknowledged {floor}: it lost writes (a restart without its AOF, or an "
+                                f"AOF behind); {RESUME_HINT}")
 
 
 class GroupRunner:
