@@ -28,7 +28,7 @@ def test_ctrl_c_under_run_stops_everything_in_order(tmp_path: Path) -> None:
              "actor_infer.strategy_args.strategy_config.delay_s=0.02"],
             env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)  # a terminal's process group
     try:
-        wait_until(lambda: "step 2 " in console.read_text(errors="replace"), 120, "two steps", every_s=0.2)
+        wait_until(lambda: "step 2/" in console.read_text(errors="replace"), 120, "two steps", every_s=0.2)
         os.killpg(run.pid, signal.SIGINT)  # what Ctrl-C does
         interrupted = time.monotonic()
         assert run.wait(timeout=90) == 130
