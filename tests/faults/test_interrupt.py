@@ -36,6 +36,7 @@ def test_ctrl_c_under_run_stops_everything_in_order(tmp_path: Path) -> None:
     finally:
         if run.poll() is None:
             os.killpg(run.pid, signal.SIGKILL)
+            run.wait()  # reaped here, so a failure does not surface as a ResourceWarning in a later test
     text = console.read_text(errors="replace")
     assert "Traceback" not in text, text[-3000:]
     for log in (out / "logs").glob("producer-*.log"):
