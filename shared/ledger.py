@@ -51,7 +51,8 @@ return {episode, version}
 # ARGV: final version
 # Marks the experiment finished and ends every group still in flight as unused_at_end, returning its slot;
 # admission refuses from here on, so nothing is left in flight. Returns how many groups it ended.
-FINISH_EXPERIMENT_LUA = """
+# allow-oom: it frees the in-flight set and the owners hash; a trainer ending at maxmemory must not crash there.
+FINISH_EXPERIMENT_LUA = """#!lua flags=allow-oom
 redis.call('SET', KEYS[1], ARGV[1])
 local n = redis.call('ZCARD', KEYS[2])
 if n > 0 then
@@ -180,6 +181,7 @@ class Ledger:
         self._finish = client.register_script(FINISH_LUA)
         self._commit = client.register_script(COMMIT_LUA)
         self._orphans = client.register_script(ORPHANS_LUA)
+        self._finish_experiment = client.register_script(FINISH_EXPERIMENT_LUA)
 
     def finish(self, group_id: str, outcome: str, entry_ids: Sequence[bytes | str], *,
                stream: str | None = None, pipe: redis.client.Pipeline | None = None) -> bool | None:
@@ -266,8 +268,8 @@ class Ledger:
     def finish_experiment(self, version: int) -> int:
         """Mark the experiment finished at `version`; groups still in flight end as unused_at_end."""
         k = self.keys
-        script = self.client.register_script(FINISH_EXPERIMENT_LUA)
-        return int(script(keys=[k.finished, k.inflight, k.counters, k.control, k.owners], args=[version]))
+        return int(self._finish_experiment(keys=[k.finished, k.inflight, k.counters, k.control, k.owners],
+                                           args=[version]))
 
     def finished(self) -> int | None:
         value = self.client.get(self.keys.finished)
