@@ -319,8 +319,10 @@ class EnvWorker:
             log.error("worker %d: %s", self.rank, self.twin)
             self.request_stop()
         self._beats += 1
-        # An idle worker (waiting for a slot) writes nothing: check here too that Redis kept our writes.
-        self._check_writes(int(await self.client.hget(self.keys.run, self.writer) or 0), self._writes_floor())
+        # An idle worker (waiting for a slot) writes nothing: check here too that Redis kept our writes. The floor
+        # is taken before the read: a write acknowledged while the read is in flight must not raise it.
+        floor = self._writes_floor()
+        self._check_writes(int(await self.client.hget(self.keys.run, self.writer) or 0), floor)
 
     # ---- playing and writing ----
 
