@@ -36,6 +36,7 @@ from rollstream.consumer.data.batcher import Batch
 from rollstream.consumer.train import run_trainer
 from rollstream.shared.config import load_config
 from rollstream.shared.embedded import EmbeddedRedis
+from rollstream.shared.messages import WeightsAnnouncement
 from rollstream.shared.redis_io import URL_ENV
 
 REPO = Path(__file__).resolve().parent.parent
@@ -61,8 +62,8 @@ class SleepingLearner:
         self.slept.append(time.monotonic() - start)
         return {}
 
-    def publish(self, version: int, suffix: str = "") -> dict[str, str | int]:
-        return {"uri": "", "digest": ""}
+    def publish(self, version: int, suffix: str = "") -> WeightsAnnouncement:
+        return WeightsAnnouncement(version)
 
     def save_checkpoint(self, directory: object) -> None:
         pass

@@ -32,6 +32,22 @@ RECORD = "metrics.jsonl"
 """One JSON object per log call in the output dir: step, wall-clock minutes since the trainer started, metrics."""
 
 
+class PhaseTimer:
+    """Seconds between consecutive laps, named by the phase each lap ends."""
+
+    def __init__(self) -> None:
+        self._last = time.monotonic()
+        self._seconds: dict[str, float] = {}
+
+    def lap(self, phase: str) -> None:
+        now = time.monotonic()
+        self._seconds[phase] = now - self._last
+        self._last = now
+
+    def seconds(self) -> dict[str, float]:
+        return {f"time/{phase}_s": s for phase, s in self._seconds.items()}
+
+
 class MetricsLogger:
     def __init__(self, cfg: RollstreamConfig) -> None:
         self.cfg = cfg

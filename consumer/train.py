@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,13 +18,14 @@ from rollstream.consumer.data.batch_stats import rollout_stats
 from rollstream.consumer.data.batcher import Batcher
 from rollstream.consumer.learn.checkpoints import checkpoint_dir, checkpoint_step, resume_path
 from rollstream.consumer.learn.learner import Learner, make_learner
-from rollstream.consumer.metrics import MetricsLogger
+from rollstream.consumer.metrics import MetricsLogger, PhaseTimer
 from rollstream.consumer.pruning import prune_redis_versions, prune_versions
 from rollstream.consumer.validation import Validator
 from rollstream.shared.codec import encode_trajectory
 from rollstream.shared.config import RollstreamConfig
 from rollstream.shared.keys import Keys
 from rollstream.shared.ledger import Ledger, reconciles
+from rollstream.shared.messages import WeightsAnnouncement
 from rollstream.shared.recording import Recorder
 from rollstream.shared.status import loaded_versions
 from rollstream.shared.weights_transport import share_weights
@@ -67,25 +67,28 @@ def run_trainer(cfg: RollstreamConfig, client: redis.Redis, *, consumer: str = "
                 batch = batcher.next_batch(step, timeout_s=1.0)
             if batch is None:
                 break
-            t0 = time.monotonic()
+            timer = PhaseTimer()
             stats = learner.train_step(batch)
-            t1 = time.monotonic()
+            timer.lap("train")
             announcement = publish(cfg, client, batcher.keys, learner, step + 1)
-            batcher.commit(batch, step + 1, announcement)
+            timer.lap("publish")
+            batcher.commit(batch, announcement)
+            timer.lap("commit")
             if (step + 1) % cfg.save_steps == 0 or step + 1 == cfg.max_steps:
                 learner.save_checkpoint(checkpoint_dir(cfg, step + 1))  # after the commit: ledger and model agree
+            timer.lap("checkpoint")
             loaded = loaded_versions(client, batcher.keys)
             prune_versions(Path(cfg.output_dir) / "weights", loaded, step + 1)
             if cfg.weights_transport == "redis":
                 prune_redis_versions(client, batcher.keys, loaded, step + 1)
-            t2 = time.monotonic()
+            timer.lap("prune")
             if recorder:
                 for traj in batch.trajectories:
                     recorder.write(encode_trajectory(traj))
                 recorder.flush()
             counts = batcher.ledger.counters()
             stats |= rollout_stats(batch.trajectories, step, cfg.async_generation_ratio)
-            stats |= {"time/wait_s": batch.wait_s, "time/train_s": t1 - t0, "time/publish_s": t2 - t1}
+            stats |= {"time/wait_s": batch.wait_s} | timer.seconds()
             stats |= {f"groups/{k}": float(v) for k, v in counts.items()}
             stats |= {f"groups/step_{k}": float(v) for k, v in batch.dropped.items()}
             if not reconciles(counts):
@@ -129,7 +132,7 @@ def _reopen_if_extended(cfg: RollstreamConfig, ledger: Ledger, version: int) -> 
 
 
 def publish(cfg: RollstreamConfig, client: redis.Redis, keys: Keys, learner: Learner, version: int,
-            suffix: str = "") -> dict[str, str | int]:
+            suffix: str = "") -> WeightsAnnouncement:
     """Write the learner's weights as `version` and make them reachable over the configured transport;
     returns what to announce. The version is announced only by the step's commit, after all of this."""
     announcement = learner.publish(version, suffix)
@@ -159,5 +162,5 @@ def resume(cfg: RollstreamConfig, learner: Learner, ledger: Ledger, version: int
     if step < version:
         log.warning("resuming from %s: the model misses steps %d..%d (their groups were trained and acknowledged, "
                     "so they are not trained again); lower save_steps to lose less", path, step + 1, version)
-        ledger.announce(version, publish(cfg, ledger.client, ledger.keys, learner, version, f"-resumed-from-{step}"))
+        ledger.announce(publish(cfg, ledger.client, ledger.keys, learner, version, f"-resumed-from-{step}"))
     log.info("resumed from %s at version %d", path, version)

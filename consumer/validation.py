@@ -19,6 +19,7 @@ from rollstream.consumer.data.batch_stats import per_tag_stats
 from rollstream.consumer.data.reader import StreamReader
 from rollstream.shared.config import RollstreamConfig
 from rollstream.shared.keys import TRAINER_GROUP, Keys
+from rollstream.shared.messages import ControlMessage, PausedRound, ValidationEnded, ValidationStarted, control_fields
 from rollstream.shared.schema import VAL_GREEDY_MEMBER, GroupDropNotice, Trajectory, parse_group_id
 from rollstream.shared.seeding import episode_seed
 
@@ -41,13 +42,13 @@ class Validator:
         """One round at policy `version`; returns `val/...` metrics. Train admission is paused throughout."""
         start = time.monotonic()
         # The flag holds the round too, so a worker that starts mid-round still plays its share.
-        self.client.set(self.keys.paused, f"{round_} {version}")
-        self._announce({"kind": "val", "round": round_, "version": version})
+        self.client.set(self.keys.paused, PausedRound(round_, version).value())
+        self._announce(ValidationStarted(round_, version))
         try:
             trajs, failed = self._collect(round_)
         finally:
             self.client.delete(self.keys.paused)
-            self._announce({"kind": "resume", "round": round_})
+            self._announce(ValidationEnded(round_))
         greedy = [t for t in trajs if t.member == VAL_GREEDY_MEMBER]
         sampled = [t for t in trajs if t.member != VAL_GREEDY_MEMBER]
         stats = per_tag_stats("val", greedy) | per_tag_stats("val_sampled", sampled) | self.references
@@ -55,8 +56,8 @@ class Validator:
                   "val/missing": float(self.expected - len(trajs) - failed), "time/val_s": time.monotonic() - start}
         return stats
 
-    def _announce(self, fields: dict[str, str | int]) -> None:
-        self.client.xadd(self.keys.control, fields, maxlen=1000,  # type: ignore[arg-type]  # str keys
+    def _announce(self, message: ControlMessage) -> None:
+        self.client.xadd(self.keys.control, control_fields(message), maxlen=1000,  # type: ignore[arg-type]
                          approximate=True)
 
     def _collect(self, round_: int) -> tuple[list[Trajectory], int]:

@@ -29,6 +29,8 @@ class EpisodeSpec:
     member: int
     seed: int
     worker_rank: int = 0
+    admission_version: int = 0
+    """The published version when the episode was admitted: no turn may come from older weights."""
 
     @property
     def group_id(self) -> str:
@@ -79,6 +81,7 @@ async def play_episode(env: TextEnv, policy: Policy, spec: EpisodeSpec, sampling
                                     sampling.top_p, sampling.top_k, seed=turn_seed(spec.seed, spec.member, t)),
             prompt_ids=transcript.prompt_ids,
             action_names=env.action_names,
+            min_version=spec.admission_version,
         )
         generation = await policy.generate(request)
         span = transcript.add_reply(generation)

@@ -21,6 +21,8 @@ class EpisodeBook:
         """k -> episode index of the group's k-th episode, until every member is done with it."""
         self._done: dict[int, set[int]] = defaultdict(set)
         """k -> members done with it."""
+        self._versions: dict[int, int] = {}
+        """k -> the published version it was admitted under."""
         self._failed: set[int] = set()
         """k's already reported to the trainer as failed; the members still to play them skip them."""
 
@@ -28,13 +30,18 @@ class EpisodeBook:
         """The episode index of the k-th episode, if admitted and not yet finished by every member."""
         return self._admitted.get(k)
 
-    def admit(self, episode: int) -> int:
-        """Record the group's next episode; returns its k."""
+    def admit(self, episode: int, version: int = 0) -> int:
+        """Record the group's next episode, admitted under published version `version`; returns its k."""
         k = self.num_admitted
         self._admitted[k] = episode
+        self._versions[k] = version
         self.last_episode = max(self.last_episode, episode)
         self.num_admitted += 1
         return k
+
+    def admission_version(self, k: int) -> int:
+        """The version the k-th episode was admitted under: none of its turns may come from older weights."""
+        return self._versions.get(k, 0)
 
     def failed(self, k: int) -> bool:
         return k in self._failed
@@ -49,7 +56,7 @@ class EpisodeBook:
     def mark_done(self, k: int, member: int) -> None:
         self._done[k].add(member)
         if len(self._done[k]) == self.group_size:
-            del self._done[k], self._admitted[k]
+            del self._done[k], self._admitted[k], self._versions[k]
             self._failed.discard(k)
 
     def unfinished(self) -> list[int]:

@@ -1,4 +1,5 @@
-"""One env-worker process: its groups' envs as independent asyncio loops, one XADD per finished trajectory.
+"""One env-worker process: its groups' envs as independent asyncio loops, one XADD per finished trajectory
+(those finished within one event-loop tick go out in one transaction).
 
 admit (a slot under the version cap) -> play (one env's multi-turn loop) -> encode -> XADD.
 No barrier anywhere: each member of a group asks its group for the next episode; the first member to get
@@ -32,6 +33,15 @@ from rollstream.shared.envs.registry import make_env
 from rollstream.shared.keys import Keys
 from rollstream.shared.layout import GroupSpec
 from rollstream.shared.ledger import Admission, AsyncAdmissions, finished_version, owner_tag
+from rollstream.shared.messages import (
+    ExperimentFinished,
+    MessageError,
+    ValidationStarted,
+    WorkerBeat,
+    parse_announcement,
+    parse_control,
+    parse_paused,
+)
 from rollstream.shared.redis_io import (
     RESUME_HINT,
     RedisDataLost,
@@ -113,6 +123,9 @@ class EnvWorker:
         """This writer's count in Redis when the process started writing."""
         self.writes = 0
         """How many of this process's writes Redis has acknowledged."""
+        self._outbox: list[tuple[str, dict[str, bytes | str | int | float], asyncio.Future[None]]] = []
+        """Entries waiting for the next transaction, each with the future its caller awaits."""
+        self._sender: asyncio.Task[None] | None = None
 
     # ---- the loop ----
 
@@ -211,6 +224,10 @@ class EnvWorker:
 
     async def ensure_version(self, version: int) -> None:
         """An episode may not start with weights older than the version it was admitted under."""
+        wait_for_version = getattr(self.policy, "wait_for_version", None)
+        if wait_for_version is not None:  # engine servers load versions themselves; the policy watches them
+            await wait_for_version(version, self.stop)
+            return
         async with self.version_loaded:
             await self.version_loaded.wait_for(lambda: self.policy.version >= version or self.stop.is_set())
 
@@ -226,8 +243,12 @@ class EnvWorker:
                 await self._load(last[0][1])
         round_in_progress = cast(bytes | None, await self.client.get(self.keys.paused))
         if round_in_progress:  # we started during a validation round: play our share of it
-            round_, version = map(int, round_in_progress.split())
-            self._start_validation(round_, version)
+            try:
+                paused = parse_paused(round_in_progress)
+            except MessageError as e:
+                self._refuse("the pause key", e)
+            else:
+                self._start_validation(paused.round, paused.version)
         return ids
 
     async def _follow_streams(self, ids: dict[str, bytes | str]) -> None:
@@ -241,12 +262,14 @@ class EnvWorker:
                     await self._load(entries[-1][1])  # only the newest version matters
                 for entry_id, fields in entries if name == self.keys.control else ():
                     try:
-                        if fields.get(b"kind") == b"val":
-                            self._start_validation(int(fields[b"round"]), int(fields[b"version"]))
-                        elif fields.get(b"kind") == b"finished":
-                            self._finish(int(fields[b"version"]))
-                    except (KeyError, ValueError) as e:  # a malformed message must not stop the follower
+                        message = parse_control(fields)
+                    except MessageError as e:  # a malformed message must not stop the follower
                         self._refuse(f"control message {entry_id!r}", e)
+                        continue
+                    if isinstance(message, ValidationStarted):
+                        self._start_validation(message.round, message.version)
+                    elif isinstance(message, ExperimentFinished):
+                        self._finish(message.version)
             if replies:
                 self.notified.set()
 
@@ -254,16 +277,18 @@ class EnvWorker:
         """Load an announced version. One that does not parse, cannot be fetched or fails its digest is refused:
         logged, counted in the heartbeat's errors, the old weights stay, and the next announcement is tried."""
         try:
-            version, digest = int(fields[b"version"]), fields.get(b"digest", b"").decode()
-        except (KeyError, ValueError) as e:
-            self._refuse(f"weights announcement {dict(fields)!r:.200}", e)
+            announced = parse_announcement(fields)
+        except MessageError as e:
+            self._refuse("a weights announcement", e)
             return
+        if not getattr(self.policy, "loads_weights", True):  # engine servers load it (rollstream engine)
+            return
+        version, digest = announced.version, announced.digest
         # A version announced again with other weights is a resumed trainer's model: load it too.
         republished = version == self.policy.version and digest and digest != self.loaded_digest
         if version > self.policy.version or republished:
-            announced = fields.get(b"uri", b"").decode()
             try:
-                uri = await fetch_weights(self.client, self.keys, announced, self.downloads)
+                uri = await fetch_weights(self.client, self.keys, announced.uri, self.downloads)
                 await self.policy.load_weights(version, uri, digest)
             except (asyncio.CancelledError, RedisUnavailable):
                 raise
@@ -271,7 +296,7 @@ class EnvWorker:
                 self._refuse(f"policy version {version}", e)
                 return
             self.loaded_digest = digest
-            if uri != announced:
+            if uri != announced.uri:
                 drop_downloads(self.downloads, keep=weights_path_from_uri(uri).name)
             log.info("worker %d: loaded policy version %d", self.rank, version)
         async with self.version_loaded:
@@ -301,15 +326,15 @@ class EnvWorker:
         key, every = self.keys.worker(self.rank), self.cfg.redis.heartbeat_s
         total = sum(self.stats.episodes.values())
         elapsed = max(time.time() - self.stats.started_at, 1e-9)
-        beat: dict[str, str | int | float] = {
-            "rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(), "incarnation": self.incarnation,
-            "envs": len(self.layout.groups_of(self.rank)) * self.layout.group_size, "episodes": total,
-            "errors": sum(self.stats.errors.values()), "episodes_per_s": round(total / elapsed, 3),
-            "loaded_version": self.policy.version, "last_seen": round(time.time(), 3),
-        }
+        beat = WorkerBeat(
+            rank=self.rank, host=socket.gethostname(), pid=os.getpid(), incarnation=self.incarnation,
+            envs=len(self.layout.groups_of(self.rank)) * self.layout.group_size, episodes=total,
+            errors=sum(self.stats.errors.values()), episodes_per_s=round(total / elapsed, 3),
+            loaded_version=self.policy.version, last_seen=round(time.time(), 3),
+        )
         ttl_ms = max(1, int(HEARTBEAT_MISSES * every * 1000))
         args: list[str | int | float] = [ttl_ms]
-        for name, value in beat.items():
+        for name, value in beat.fields().items():
             args += [name, value]
         incarnation, host, pid = await self._heartbeat_script(keys=[key], args=args)
         # Before our first beat the key may hold a dead predecessor's incarnation; after it, only a live twin
@@ -334,20 +359,51 @@ class EnvWorker:
 
     async def publish(self, fields: dict[str, bytes | str | int | float], stream: str | None = None) -> None:
         """XADD, counting this writer's entries in the same transaction: a count lower than the last one seen
-        means Redis lost writes it had acknowledged (RedisDataLost), instead of training on."""
+        means Redis lost writes it had acknowledged (RedisDataLost), instead of training on.
 
+        The writes of every coroutine of this worker that publish within one event-loop tick (and while the
+        previous transaction is in flight) go out together, as one MULTI of their XADDs and one HINCRBY: one
+        round trip and one fsync for all of them. Each caller returns once its own entry is acknowledged."""
+        acknowledged = asyncio.get_running_loop().create_future()
+        self._outbox.append((stream or self.keys.traj, fields, acknowledged))
+        if self._sender is None or self._sender.done():
+            self._sender = asyncio.create_task(self._send_outbox(), name="send-writes")
+        await acknowledged
+
+    async def _send_outbox(self) -> None:
+        """Send what is queued, one transaction at a time, until nothing is left; each caller gets its outcome."""
+        while self._outbox:
+            batch, self._outbox = self._outbox, []
+            try:
+                await self._write_batch([(stream, fields) for stream, fields, _ in batch])
+            except asyncio.CancelledError:  # the worker is shutting down: nobody waits for an outcome any more
+                for *_, acknowledged in [*batch, *self._outbox]:
+                    acknowledged.cancel()
+                self._outbox = []
+                raise
+            except Exception as e:  # every caller of the batch gets the error (RedisDataLost, RedisUnavailable, ...)
+                for *_, acknowledged in batch:
+                    if not acknowledged.done():
+                        acknowledged.set_exception(e)
+            else:
+                for *_, acknowledged in batch:
+                    if not acknowledged.done():  # a caller cancelled meanwhile: its entry was written all the same
+                        acknowledged.set_result(None)
+
+    async def _write_batch(self, entries: list[tuple[str, dict[str, bytes | str | int | float]]]) -> None:
         async def write() -> list[Any]:
             async with self.client.pipeline(transaction=True) as pipe:
-                pipe.xadd(stream or self.keys.traj, fields)  # type: ignore[arg-type]  # str keys
-                pipe.hincrby(self.keys.run, self.writer, 1)
+                for stream, fields in entries:
+                    pipe.xadd(stream, fields)  # type: ignore[arg-type]  # str keys
+                pipe.hincrby(self.keys.run, self.writer, len(entries))
                 return await pipe.execute()
 
         if self.writes_base is None:  # read once, before any write of this process
             self.writes_base = int(await self.client.hget(self.keys.run, self.writer) or 0)
-        floor = self._writes_floor()  # acknowledged before this write was sent (others may be in flight)
-        _, written = await write_with_backoff(write, "writing a trajectory", self.cfg.redis.max_outage_s)
-        self._check_writes(int(written) - 1, floor)  # a retried write may count twice, never less
-        self.writes += 1
+        floor = self._writes_floor()  # acknowledged before this write was sent (no other write is in flight)
+        *_, written = await write_with_backoff(write, "writing a trajectory", self.cfg.redis.max_outage_s)
+        self._check_writes(int(written) - len(entries), floor)  # a retried write may count twice, never less
+        self.writes += len(entries)
 
     def _writes_floor(self) -> int:
         """The least count Redis may hold for this writer: what it had at start plus what it acknowledged since."""
@@ -389,7 +445,7 @@ class GroupRunner:
                         f"worker {self.worker.rank}: Redis admitted episode {admission.episode} of {self.prefix}* "
                         f"again (episode {self.book.last_episode} was already admitted): it lost writes (a restart "
                         f"without its AOF, or an AOF behind); {RESUME_HINT}")
-                self.book.admit(admission.episode)
+                self.book.admit(admission.episode, admission.version)
             return self.book.episode(k)
 
     async def run_member(self, member: int) -> None:
@@ -405,7 +461,7 @@ class GroupRunner:
         """Play one episode and publish it; False if the env raised (the group is then reported failed)."""
         spec = EpisodeSpec("train", self.spec.tag, self.spec.group_index, episode, member,
                            episode_seed(self.worker.cfg.seed, "train", self.spec.group_index, episode),
-                           self.worker.rank)
+                           self.worker.rank, self.book.admission_version(k))
         try:
             traj = await self.worker.play(env, spec, self._sampling(), self.worker.render_dir)
         except asyncio.CancelledError:

@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 
 from rollstream.shared.codec import CodecError
 from rollstream.shared.config import ConfigError, RollstreamConfig, TinyModelConfig, load_config, to_yaml
+from rollstream.shared.config_checks import num_engines
 from rollstream.shared.config_load import Loaded, load
 from rollstream.shared.keys import TRAINER_CONSUMER
 from rollstream.shared.redis_io import RedisDataLost, RedisUnavailable, connect, resolve_url
@@ -32,6 +33,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname).1s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    if not args.verbose:  # one line per HTTP request to the engine servers otherwise
+        logging.getLogger("httpx").setLevel(logging.WARNING)
     started = time.monotonic()
     try:
         if args.env_file:
@@ -98,6 +101,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--worker-rank", type=int, required=True)
     p.add_argument("--episodes-per-group", type=int, default=None,
                    help="burst mode: each group plays this many episodes, then the worker exits")
+    p = command("engine", _engine, "run one inference engine server (strategy_name vllm_server) and keep its "
+                "weights at the newest published version")
+    p.add_argument("--engine-rank", type=int, required=True)
     p = command("trainer", _trainer, "run the trainer")
     p.add_argument("--consumer", default=TRAINER_CONSUMER, help="stable consumer name in the stream's group")
     p = command("deploy", _deploy, "write one host's supervisord.conf from the config's hosts section "
@@ -188,8 +194,17 @@ def _producer(args: argparse.Namespace) -> int:
     return 0
 
 
+def _engine(args: argparse.Namespace) -> int:
+    from rollstream.producer.engine import run_engine
+
+    cfg = _load(args)
+    run_engine(cfg, args.engine_rank, _require_url(cfg))
+    return 0
+
+
 def _trainer(args: argparse.Namespace) -> int:
     from rollstream.consumer.learn.distributed import Follower, LeaderLearner, end_rank, start_rank
+    from rollstream.consumer.learn.rank_watch import RankLost
     from rollstream.consumer.learn.strategy import launched_world_size
     from rollstream.consumer.train import run_trainer
 
@@ -210,6 +225,9 @@ def _trainer(args: argparse.Namespace) -> int:
     try:
         client = connect(_require_url(cfg), cfg.redis)
         summary = run_trainer(cfg, client, consumer=args.consumer, stop=stop, learner=learner)
+    except RankLost as e:  # a multi-rank trainer lost a rank: one line naming it (rank_watch)
+        print(f"rollstream: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
     finally:
         if learner is not None:
             learner.close()  # run_trainer closes it too; a second close is a no-op, a missed one hangs the ranks
@@ -276,7 +294,8 @@ def _config(args: argparse.Namespace) -> int:
         from rollstream.shared.hosts import describe_hosts, plan_hosts
 
         print("# hosts")
-        print("# " + describe_hosts(plan_hosts(cfg.hosts, cfg.train_layout.num_workers)).replace("\n", "\n# "))
+        roles = plan_hosts(cfg.hosts, cfg.train_layout.num_workers, num_engines(cfg))
+        print("# " + describe_hosts(roles).replace("\n", "\n# "))
     print("# val_env_manager layout" + ("" if cfg.eval_steps else " (eval_steps is 0: validation never runs)"))
     print("# " + describe_layout(cfg.val_layout).replace("\n", "\n# "))
     if args.explain:

@@ -1,8 +1,9 @@
 """`rollstream deploy supervisor CONFIG --host NAME --out DIR`: one host's supervisord.conf from the one config.
 
 DIR gets, all mode 0600 (secrets never land in a world-readable file, nor on a command line or in a log line):
-- supervisord.conf: [group:producers] of one program per env-worker rank on this host, [program:trainer] on the
-  trainer host (torchrun when it has several ranks), [program:redis] on the Redis host, and the
+- supervisord.conf: [group:producers] of one program per env-worker rank on this host, [group:engines] of one
+  program per inference engine server on this host (vllm_server; start them before the producers),
+  [program:trainer] on the trainer host (torchrun when it has several ranks), [program:redis] on the Redis host, and the
   [supervisord] / [unix_http_server] / [supervisorctl] / [rpcinterface:supervisor] sections;
 - config.yaml: the resolved config the programs read, without redis.url (its password would leak);
 - env: KEY=VALUE lines every program loads (`rollstream --env-file`): the Redis URL, the host's env, PYTHONPATH;
@@ -24,6 +25,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from rollstream.shared.config import ConfigError, RollstreamConfig, to_yaml
+from rollstream.shared.config_checks import num_engines
 from rollstream.shared.hosts import HostRole, hosts_redis_url, plan_hosts, role_of
 from rollstream.shared.layout import plan_layout
 from rollstream.shared.redis_io import URL_ENV, resolve_url
@@ -36,6 +38,8 @@ the first Redis round trip. Programs that end at once on purpose stay up this lo
 START_RETRIES = 5
 PRODUCER_STOP_S = 45
 """A producer reports its unfinished episodes for up to 2 x 15 s after SIGTERM (worker.SHUTDOWN_REPORT_S)."""
+ENGINE_STOP_S = 30
+"""An engine SIGTERMs its vLLM server's process group and SIGKILLs it 5 s later (producer/engine.py)."""
 TRAINER_STOP_S = 300
 """The trainer finishes its current step, commits it and saves nothing half-written; a large model's step is long."""
 REDIS_STOP_S = 60
@@ -66,6 +70,8 @@ def programs(role: HostRole, python: str, conf_dir: Path, redis_server: str | No
         found.append(Program("trainer", [*launcher, "trainer", config], TRAINER_STOP_S))
     elif role.trainer_ranks:
         found.append(Program("trainer", [*rollstream, "trainer", config], TRAINER_STOP_S))
+    found += [Program(f"engine-{rank}", [*rollstream, "engine", config, "--engine-rank", str(rank)], ENGINE_STOP_S,
+                      priority=50) for rank in role.engines]
     found += [Program(f"producer-{rank}", [*rollstream, "producer", config, "--worker-rank", str(rank)],
                       PRODUCER_STOP_S) for rank in role.env_workers]
     return found
@@ -94,9 +100,10 @@ def render_supervisord(role: HostRole, progs: list[Program], conf_dir: Path, log
             "redirect_stderr": "true", "stdout_logfile": str(log_dir / f"{p.name}.log"),
             "stdout_logfile_maxbytes": LOG_MAX, "stdout_logfile_backups": str(LOG_BACKUPS),
         }))
-    producers = [p.name for p in progs if p.name.startswith("producer-")]
-    if producers:
-        sections.append(("group:producers", {"programs": ",".join(producers)}))
+    for group, prefix in (("producers", "producer-"), ("engines", "engine-")):
+        members = [p.name for p in progs if p.name.startswith(prefix)]
+        if members:
+            sections.append((f"group:{group}", {"programs": ",".join(members)}))
     header = (f"; rollstream {exp_name}, host {role.name}: written by `rollstream deploy supervisor`; regenerate "
               "rather than edit.\n; supervisord -c THIS; supervisorctl -c THIS start producers:* (and trainer)\n")
     body = "\n".join(f"[{name}]\n" + "".join(f"{k}={_escape(v)}\n" for k, v in options.items())
@@ -145,7 +152,7 @@ def redis_conf_text(template: str, port: int, data_dir: Path, password: str | No
 def write_supervisor(cfg: RollstreamConfig, host: str, out: Path) -> Path:
     """Write the host's files under `out`; returns the supervisord.conf path."""
     layout = plan_layout(cfg.train_env_manager, cfg.custom_envs, "train_env_manager")
-    roles = plan_hosts(cfg.hosts, layout.num_workers)
+    roles = plan_hosts(cfg.hosts, layout.num_workers, num_engines(cfg))
     role = role_of(roles, host)
     url = program_url(cfg)
     out = out.resolve()

@@ -1,9 +1,10 @@
 """`rollstream run`: every process of an experiment on this machine, then nothing left behind.
 
-Starts an embedded Redis when no URL is configured, one producer process per worker rank and the trainer,
+Starts an embedded Redis when no URL is configured, the inference engine servers (strategy_name vllm_server),
+one producer process per worker rank and the trainer,
 waits for the trainer to finish max_steps, then stops the producers (SIGTERM: they return their slots)
-and the server. Producers log to files under logging_dir; the trainer owns the console. A crashed env-worker
-is restarted (its groups in flight are ended by the trainer through its heartbeat) up to
+and the server. Engines and producers log to files under logging_dir; the trainer owns the console. A crashed
+engine or env-worker is restarted (its groups in flight are ended by the trainer through its heartbeat) up to
 MAX_WORKER_RESTARTS times; then the run stops with an error naming its log.
 """
 
@@ -25,7 +26,7 @@ from typing import IO
 import redis
 
 from rollstream.shared.config import ConfigError, RollstreamConfig, dump_config
-from rollstream.shared.config_checks import check_paths, engine_size
+from rollstream.shared.config_checks import check_paths, engine_size, num_engines
 from rollstream.shared.embedded import EmbeddedRedis, die_with_parent
 from rollstream.shared.keys import Keys
 from rollstream.shared.layout import visible_devices
@@ -59,21 +60,33 @@ def run_local(cfg: RollstreamConfig, *, fresh: bool = False) -> int:
             log.info("embedded Redis at %s (data in %s)", url, data)
         _prepare_namespace(cfg, url, fresh)
         env = os.environ | {URL_ENV: url}
-        for rank in range(layout.num_workers) if not cfg.resume_from_checkpoint else ():
-            (logs / f"producer-{rank}.log").unlink(missing_ok=True)  # a new run starts new logs
+        engines = num_engines(cfg)
+        for name in ([f"producer-{r}" for r in range(layout.num_workers)] + [f"engine-{r}" for r in range(engines)]
+                     if not cfg.resume_from_checkpoint else ()):
+            (logs / f"{name}.log").unlink(missing_ok=True)  # a new run starts new logs
+
+        def spawn_engine(rank: int) -> subprocess.Popen[bytes]:
+            # the engine binds its own devices (CUDA_VISIBLE_DEVICES of its server)
+            return _spawn(["engine", str(config_path), "--engine-rank", str(rank)], env,
+                          stack.enter_context(open(logs / f"engine-{rank}.log", "ab")))
 
         def spawn_producer(rank: int) -> subprocess.Popen[bytes]:
+            # under vllm_server an env-worker holds no model, so it takes no device
             return _spawn(["producer", str(config_path), "--worker-rank", str(rank)],
-                          _devices(env, cfg, "actor_infer", rank),
+                          env if engines else _devices(env, cfg, "actor_infer", rank),
                           stack.enter_context(open(logs / f"producer-{rank}.log", "ab")))
 
+        servers = [spawn_engine(rank) for rank in range(engines)]
+        if servers:
+            log.info("started %d engine servers (logs in %s; about 2 minutes to start on a small CPU)", engines, logs)
         producers = [spawn_producer(rank) for rank in range(layout.num_workers)]
         log.info("started %d env-workers (logs in %s)", len(producers), logs)
         trainer = _spawn(["trainer", str(config_path)], _devices(env, cfg, "actor_train", 0), None)
         try:
-            code = _wait_for_trainer(trainer, producers, spawn_producer, logs)
+            code = _wait_for_trainer(trainer, {"env-worker": (producers, spawn_producer, "producer"),
+                                               "engine": (servers, spawn_engine, "engine")}, logs)
         finally:
-            _stop_all([trainer, *producers])
+            _stop_all([trainer, *producers, *servers])
     return code
 
 
@@ -131,29 +144,33 @@ def _spawn(args: list[str], env: dict[str, str], output: IO[bytes] | None) -> su
                             stderr=subprocess.STDOUT if output else None, preexec_fn=die_with_parent)
 
 
-def _wait_for_trainer(trainer: subprocess.Popen[bytes], producers: list[subprocess.Popen[bytes]],
-                      spawn_producer: Callable[[int], subprocess.Popen[bytes]], logs: Path) -> int:
-    """The trainer's exit code. A crashed env-worker is restarted (`producers` is updated in place) up to
-    MAX_WORKER_RESTARTS times; one more crash ends the run with 1."""
+Spawner = Callable[[int], subprocess.Popen[bytes]]
+
+
+def _wait_for_trainer(trainer: subprocess.Popen[bytes],
+                      roles: dict[str, tuple[list[subprocess.Popen[bytes]], Spawner, str]], logs: Path) -> int:
+    """The trainer's exit code. A crashed env-worker or engine (roles: what -> (processes, spawn, log prefix)) is
+    restarted (its list is updated in place) up to MAX_WORKER_RESTARTS times; one more crash ends the run with 1."""
     terminated = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: terminated.set())  # only a flag: the loop below drains
-    restarts = [0] * len(producers)
+    restarts = {what: [0] * len(processes) for what, (processes, _, _) in roles.items()}
     try:
         while trainer.poll() is None:
             if terminated.is_set():
                 raise KeyboardInterrupt
-            for rank, p in enumerate(producers):
-                if p.poll() in (None, 0):
-                    continue
-                worker_log = logs / f"producer-{rank}.log"
-                if restarts[rank] == MAX_WORKER_RESTARTS:
-                    log.error("env-worker %d exited with code %s after %d restarts: see %s; stopping the run",
-                              rank, p.returncode, restarts[rank], worker_log)
-                    return 1
-                restarts[rank] += 1
-                log.warning("env-worker %d exited with code %s (see %s): restarting it (%d of %d)", rank,
-                            p.returncode, worker_log, restarts[rank], MAX_WORKER_RESTARTS)
-                producers[rank] = spawn_producer(rank)
+            for what, (processes, spawn, prefix) in roles.items():
+                for rank, p in enumerate(processes):
+                    if p.poll() in (None, 0):
+                        continue
+                    process_log = logs / f"{prefix}-{rank}.log"
+                    if restarts[what][rank] == MAX_WORKER_RESTARTS:
+                        log.error("%s %d exited with code %s after %d restarts: see %s; stopping the run", what,
+                                  rank, p.returncode, restarts[what][rank], process_log)
+                        return 1
+                    restarts[what][rank] += 1
+                    log.warning("%s %d exited with code %s (see %s): restarting it (%d of %d)", what, rank,
+                                p.returncode, process_log, restarts[what][rank], MAX_WORKER_RESTARTS)
+                    processes[rank] = spawn(rank)
             time.sleep(0.5)
     except KeyboardInterrupt:
         log.warning("interrupted: stopping the trainer and env-workers")

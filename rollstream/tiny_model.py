@@ -23,6 +23,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalize
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX as QWEN2_PRETOKENIZE_REGEX
+from transformers.utils import logging as transformers_logging
 
 from rollstream.producer.policy.base import Generation
 from rollstream.producer.policy.conversation import ChatTemplateDeltas, Conversation
@@ -303,6 +304,7 @@ def main_tiny_model(out: str, settings: TinyModelConfig, *, seed: int = 0, threa
     The same seed gives the same tokenizer and initial weights; the warm start also draws from the seed, but a
     warm start bounded by `sft_seconds` runs as many steps as the machine manages (bound it by `sft_steps` alone,
     with a large `sft_seconds`, for a build that is the same everywhere)."""
+    transformers_logging.disable_progress_bar()  # the build's own bar is the one to watch, not a bar per save
     path = build_tiny_model(out, tie_word_embeddings=settings.tie_word_embeddings, hidden_size=settings.hidden_size,
                             layers=settings.layers, seed=seed)
     stats = sft_format_warm_start(path, settings.sft_steps, max_seconds=settings.sft_seconds, threads=threads,

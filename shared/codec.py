@@ -6,7 +6,8 @@ payload, so `redis-cli XRANGE <ns>:traj - + COUNT 3` is legible. The payload is 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Callable, Mapping
 from typing import Any, cast
 
 import msgpack
@@ -117,14 +118,18 @@ def _trajectory_from(body: dict[str, Any]) -> Trajectory:
 def _turn_from(row: Any, index: int) -> Turn:
     if not isinstance(row, list) or len(row) != len(_TURN_FIELDS):
         raise CodecError(f"turn {index} is not a list of {len(_TURN_FIELDS)} fields")
-    values = dict(zip(_TURN_FIELDS, row))
-    for name, kind in _TURN_TYPES.items():
-        _check(values[name], kind, f"turn {index} {name}")
-    span = values["response_span"]
-    if not (isinstance(span, list) and len(span) == 2 and all(_is(v, "int") for v in span)):
+    version, observation, reply, action, valid, reward, span, finish = row  # in the order of _TURN_FIELDS
+    # _TURN_TYPES's rules inlined: every turn of every trajectory the trainer reads passes here. A turn that fails
+    # them goes the slow way, which names the bad field.
+    if not (type(version) is int and version >= 0 and type(observation) is str and type(reply) is str
+            and (action is None or type(action) is str) and type(valid) is bool and type(finish) is str
+            and (type(reward) is int or (type(reward) is float and math.isfinite(reward)))):
+        for name, kind in _TURN_TYPES.items():
+            _check(row[_TURN_FIELDS.index(name)], kind, f"turn {index} {name}")
+        raise CodecError(f"turn {index} has a field of the wrong type")  # unreachable while the rules agree
+    if not (type(span) is list and len(span) == 2 and type(span[0]) is int and type(span[1]) is int):
         raise CodecError(f"turn {index} response_span is {span!r:.60}, expected [start, end] integers")
-    values["response_span"] = (int(span[0]), int(span[1]))
-    return Turn(**values)
+    return Turn(version, observation, reply, action, valid, reward, (span[0], span[1]), finish)
 
 
 def _drop_from(body: dict[str, Any]) -> GroupDropNotice:
@@ -147,22 +152,19 @@ _TURN_TYPES = {"version": "int", "observation": "str", "reply": "str", "action":
                "reward": "float", "finish_reason": "str"}
 
 
-def _is(value: Any, kind: str) -> bool:
-    if kind == "str?":
-        return value is None or isinstance(value, str)
-    if kind == "bool":
-        return isinstance(value, bool)
-    if isinstance(value, bool):  # a bool is an int to Python, never to this schema
-        return False
-    if kind == "int":
-        return isinstance(value, int)
-    if kind == "float":
-        return isinstance(value, (int, float)) and np.isfinite(value)
-    return isinstance(value, str)
+# Exact types: msgpack returns exactly these (a bool is an int to Python, never to this schema); a checker per
+# kind, as the trainer checks every field of every turn of every trajectory it reads.
+_IS: dict[str, Callable[[Any], bool]] = {
+    "str": lambda v: type(v) is str,
+    "str?": lambda v: v is None or type(v) is str,
+    "bool": lambda v: type(v) is bool,
+    "int": lambda v: type(v) is int,
+    "float": lambda v: type(v) is int or (type(v) is float and math.isfinite(v)),
+}
 
 
 def _check(value: Any, kind: str, name: str) -> None:
-    if not _is(value, kind):
+    if not _IS[kind](value):
         expected = {"str?": "a string or null", "int": "an integer", "float": "a finite number",
                     "bool": "a boolean", "str": "a string"}[kind]
         raise CodecError(f"{name} is {type(value).__name__} {value!r:.60}, expected {expected}")
@@ -193,17 +195,36 @@ def _default(obj: Any) -> Any:
 def _ext_hook(code: int, data: bytes) -> Any:
     if code != _NDARRAY_EXT:
         raise CodecError(f"unknown msgpack extension type {code}")
-    unpacker = msgpack.Unpacker(raw=False)
-    unpacker.feed(data)
     try:
-        dtype_str, shape = next(unpacker)
+        dtype_str, shape, offset = _ndarray_header(data)
         dtype = np.dtype(dtype_str)
         if dtype.hasobject:
             raise CodecError("object arrays are not allowed")
-        offset = unpacker.tell()
-        # copy: frombuffer would alias the read-only payload bytes
-        return np.frombuffer(data, dtype=dtype, offset=offset).reshape(shape).copy()
+        # No copy: a read-only view of `data`, which msgpack made for this extension alone (and the trainer only
+        # reads the arrays, into its own tensors)
+        array = np.frombuffer(data, dtype=dtype, offset=offset)
+        return array if shape == [len(array)] else array.reshape(shape)
     except CodecError:
         raise
     except Exception as e:
         raise CodecError(f"bad ndarray extension: {type(e).__name__}: {e}") from e
+
+
+_HEADER_PROBE = 64
+"""Bytes enough for an ndarray extension's [dtype, shape] header up to a few dimensions."""
+
+
+def _ndarray_header(data: bytes) -> tuple[Any, Any, int]:
+    """The extension's [dtype, shape] header and the array's offset, unpacked from a short slice of `data`:
+    an Unpacker would first copy the whole array into its buffer."""
+    head = data[:_HEADER_PROBE]
+    try:
+        header, offset = msgpack.unpackb(head, raw=False), len(head)
+    except msgpack.ExtraData as extra:  # the usual case: the array's bytes follow the header
+        header, offset = extra.unpacked, len(head) - len(extra.extra)
+    except ValueError:  # a header longer than the probe (many dimensions)
+        unpacker = msgpack.Unpacker(raw=False)
+        unpacker.feed(data)
+        header, offset = next(unpacker), unpacker.tell()
+    dtype_str, shape = header
+    return dtype_str, shape, offset

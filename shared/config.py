@@ -38,7 +38,7 @@ class ConfigError(ValueError):
     """A config value is wrong; the message names the key, the value and what is valid."""
 
 
-InferStrategy = Literal["scripted", "hf_infer", "vllm"]
+InferStrategy = Literal["scripted", "hf_infer", "vllm", "vllm_server"]
 TrainStrategy = Literal["stats_only", "torch_train", "deepspeed_train"]
 InferDtype = Literal["fp32", "bf16", "fp16"]
 TrainDtype = Literal["fp32", "bf16"]
@@ -141,7 +141,8 @@ class StrategyArgs:
 @dataclass(config=SCHEMA)
 class InferStrategyArgs(StrategyArgs):
     strategy_name: InferStrategy = "scripted"
-    """scripted (random valid actions, no model) | hf_infer (transformers generate) | vllm."""
+    """scripted (random valid actions, no model) | hf_infer (transformers generate) | vllm (one engine in each
+    env-worker) | vllm_server (env-workers send token ids to `rollstream engine` servers on actor_infer's devices)."""
 
 
 @dataclass(config=SCHEMA)
@@ -254,6 +255,8 @@ class MachineConfig:
     """How the other hosts reach this one; the Redis URL uses it when this host runs Redis."""
     env_workers: Any = field(default_factory=list)
     """Env-worker ranks this host runs: a list of ranks, or "auto" for a share of the ranks no host lists."""
+    engines: list[int] = field(default_factory=list)
+    """Inference engine ranks this host runs (strategy_name vllm_server; engine k's URL: strategy_config.urls[k])."""
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment of every program on this host (e.g. CUDA_VISIBLE_DEVICES)."""
 

@@ -59,6 +59,23 @@ class VLLMOptions:
 
 
 @dataclass(config=_OPTIONS)
+class VLLMServerOptions(VLLMOptions):
+    host: str = "127.0.0.1"
+    """Interface the engines' servers bind to (their RL endpoints are open: keep it private)."""
+    base_port: Annotated[int, Field(ge=1, le=65535)] = 8100
+    """Engine k listens on base_port + k."""
+    urls: list[str] | None = None
+    """Where env-workers reach engine k (urls[k]); default http://<host>:<base_port + k>."""
+    startup_timeout_s: Annotated[float, Field(gt=0.0)] = 600.0
+    """How long an env-worker waits for an engine at start before it stops with an error naming its URL."""
+    request_timeout_s: Annotated[float, Field(gt=0.0)] = 600.0
+    """Longest one turn may take over HTTP (a reload pauses an engine for the longest in-flight turn)."""
+    max_connections: Annotated[int, Field(ge=1)] = 1024
+    """HTTP connections per env-worker to each engine: at least its concurrent envs, or requests queue inside
+    the client."""
+
+
+@dataclass(config=_OPTIONS)
 class TorchTrainOptions:
     device: str | None = None
     """torch device; default cuda when available, else cpu."""
@@ -70,10 +87,13 @@ class TorchTrainOptions:
 class DeepSpeedOptions:
     zero_stage: ZeroStage = 2
     """ZeRO stage: 1 shards optimizer states, 2 also gradients, 3 also parameters."""
+    rank_timeout_s: Annotated[float, Field(gt=0.0)] = 30.0
+    """On several ranks: a rank whose heartbeat stops this long (killed, frozen, its host gone) stops the run,
+    with one line naming it; rank 0 exits non-zero within about this many seconds."""
 
 
 STRATEGY_OPTIONS: dict[str, type] = {
-    "scripted": ScriptedOptions, "hf_infer": HFInferOptions, "vllm": VLLMOptions,
+    "scripted": ScriptedOptions, "hf_infer": HFInferOptions, "vllm": VLLMOptions, "vllm_server": VLLMServerOptions,
     "stats_only": type("NoOptions", (), {}), "torch_train": TorchTrainOptions, "deepspeed_train": DeepSpeedOptions,
 }
 """strategy_name -> the typed keys of its strategy_config."""
@@ -85,13 +105,13 @@ def check_config(cfg: RollstreamConfig) -> list[str]:
     _check_custom_envs(cfg)
     cfg.train_layout  # noqa: B018 - planning the layouts checks them, once
     cfg.val_layout  # noqa: B018
-    plan_hosts(cfg.hosts, cfg.train_layout.num_workers)
     if cfg.eval_steps and cfg.val_env_manager.group_size != 1:
         raise ConfigError(f"val_env_manager.group_size={cfg.val_env_manager.group_size}: validation runs at "
                           "temperature 0, so every member of a group would play the same; use 1")
     for role in ("actor_infer", "actor_train"):
         strategy_options(getattr(cfg, role).strategy_args, role)
-    _check_models(cfg)
+    _check_models(cfg)  # before the hosts: they place the engines that device_mapping makes
+    plan_hosts(cfg.hosts, cfg.train_layout.num_workers, num_engines(cfg))
     return _device_notices(cfg)
 
 
@@ -170,10 +190,19 @@ def _check_models(cfg: RollstreamConfig) -> None:
 
 
 def engine_size(cfg: RollstreamConfig) -> int:
-    """GPUs one env-worker's inference engine takes (vLLM's tensor_parallel_size)."""
-    if cfg.actor_infer.strategy_args.strategy_name != "vllm":
+    """GPUs one inference engine takes (vLLM's tensor_parallel_size)."""
+    if cfg.actor_infer.strategy_args.strategy_name not in ("vllm", "vllm_server"):
         return 1
     return int(cfg.actor_infer.strategy_args.strategy_config.get("tensor_parallel_size", 1))
+
+
+def num_engines(cfg: RollstreamConfig) -> int:
+    """Engine servers under vllm_server: one per tensor_parallel_size devices of actor_infer.device_mapping (one
+    without a mapping, e.g. on CPU); 0 for the other backends (each env-worker holds its own model, or none)."""
+    if cfg.actor_infer.strategy_args.strategy_name != "vllm_server":
+        return 0
+    mapping = cfg.actor_infer.device_mapping
+    return max(1, len(mapping or []) // engine_size(cfg))
 
 
 def _check_devices(cfg: RollstreamConfig) -> None:
@@ -181,6 +210,11 @@ def _check_devices(cfg: RollstreamConfig) -> None:
     if infer and len(infer) % engine_size(cfg):
         raise ConfigError(f"actor_infer.device_mapping={infer}: {len(infer)} GPUs do not split into engines of "
                           f"tensor_parallel_size={engine_size(cfg)}; give a multiple of it")
+    urls = cfg.actor_infer.strategy_args.strategy_config.get("urls")
+    if cfg.actor_infer.strategy_args.strategy_name == "vllm_server" and urls and len(urls) != num_engines(cfg):
+        raise ConfigError(f"actor_infer.strategy_args.strategy_config.urls has {len(urls)} URLs but there are "
+                          f"{num_engines(cfg)} engines (len(actor_infer.device_mapping) / tensor_parallel_size, "
+                          "1 without a mapping): give one URL per engine")
     mapping = cfg.actor_train.device_mapping
     if mapping and len(mapping) > 1 and cfg.actor_train.strategy_args.strategy_name == "torch_train":
         raise ConfigError(f"actor_train.device_mapping={mapping}: torch_train trains on one device; use "

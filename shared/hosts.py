@@ -30,10 +30,13 @@ class HostRole:
     """0 when the trainer runs elsewhere."""
     env_workers: tuple[int, ...]
     env: dict[str, str]
+    engines: tuple[int, ...] = ()
+    """Inference engine servers (vllm_server) this host runs."""
 
 
-def plan_hosts(hosts: HostsConfig, num_workers: int) -> dict[str, HostRole]:
-    """Check the hosts section against the env layout's `num_workers` ranks; what each host runs."""
+def plan_hosts(hosts: HostsConfig, num_workers: int, num_engines: int = 0) -> dict[str, HostRole]:
+    """Check the hosts section against the env layout's `num_workers` ranks and the `num_engines` inference
+    engines (vllm_server); what each host runs."""
     names = list(hosts.machines)
     if not names:
         if hosts.redis.host or hosts.trainer.host:
@@ -47,16 +50,37 @@ def plan_hosts(hosts: HostsConfig, num_workers: int) -> dict[str, HostRole]:
     if not 0 < hosts.redis.port < 65536:
         raise ConfigError(f"hosts.redis.port={hosts.redis.port}: must be a TCP port, 1..65535")
     ranks = _deal_ranks(hosts, num_workers)
+    engines = _engine_ranks(hosts, num_engines)
     roles = {
         name: HostRole(name, m.address, name == hosts.redis.host,
-                       hosts.trainer.ranks if name == hosts.trainer.host else 0, ranks[name], dict(m.env))
+                       hosts.trainer.ranks if name == hosts.trainer.host else 0, ranks[name], dict(m.env),
+                       engines[name])
         for name, m in hosts.machines.items()
     }
     for role in roles.values():
-        if not (role.redis or role.trainer_ranks or role.env_workers):
+        if not (role.redis or role.trainer_ranks or role.env_workers or role.engines):
             raise ConfigError(f"hosts.machines.{role.name} has nothing to run (no Redis, no trainer, no "
                               "env-workers): remove it, or give it env_workers")
     return roles
+
+
+def _engine_ranks(hosts: HostsConfig, num_engines: int) -> dict[str, tuple[int, ...]]:
+    """Each engine rank on exactly one host's `engines` list."""
+    owner: dict[int, str] = {}
+    for name, machine in hosts.machines.items():
+        for rank in machine.engines:
+            key = f"hosts.machines.{name}.engines"
+            if not 0 <= rank < num_engines:
+                raise ConfigError(f"{key} names engine {rank}, but the config has {num_engines} engines (ranks "
+                                  f"0..{num_engines - 1}; only strategy_name vllm_server runs engines)")
+            if rank in owner:
+                raise ConfigError(f"engine {rank} is on two hosts: hosts.machines.{owner[rank]}.engines and {key}")
+            owner[rank] = name
+    missing = [r for r in range(num_engines) if r not in owner]
+    if missing:
+        raise ConfigError(f"engines {missing} are on no host: add them to a hosts.machines.<name>.engines list "
+                          "(and their URLs to actor_infer.strategy_args.strategy_config.urls)")
+    return {name: tuple(sorted(r for r, o in owner.items() if o == name)) for name in hosts.machines}
 
 
 def _known(name: str | None, key: str, names: list[str], *, required: bool) -> None:
@@ -128,6 +152,7 @@ def describe_hosts(roles: dict[str, HostRole]) -> str:
         parts = ["redis"] if r.redis else []
         parts += [f"trainer ({r.trainer_ranks} rank{'s' if r.trainer_ranks > 1 else ''})"] if r.trainer_ranks else []
         parts += [f"env-workers {list(r.env_workers)}"] if r.env_workers else []
+        parts += [f"engines {list(r.engines)}"] if r.engines else []
         env = f"; env {', '.join(sorted(r.env))}" if r.env else ""
         lines.append(f"  {r.name} ({r.address}): {', '.join(parts)}{env}")
     return "\n".join(lines)

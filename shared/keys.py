@@ -110,3 +110,12 @@ class Keys:
     @property
     def worker_pattern(self) -> str:
         return f"{self.ns}:worker:*"
+
+    def engine(self, rank: int) -> str:
+        """Heartbeat hash of one inference engine server (vllm_server): its URL and the version it serves; expires
+        when the engine stops beating."""
+        return f"{self.ns}:engine:{rank}"
+
+    @property
+    def engine_pattern(self) -> str:
+        return f"{self.ns}:engine:*"

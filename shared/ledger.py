@@ -20,6 +20,7 @@ import redis
 import redis.asyncio
 
 from rollstream.shared.keys import TRAINER_GROUP, Keys
+from rollstream.shared.messages import INCARNATION, VersionPublished, WeightsAnnouncement, control_fields
 from rollstream.shared.redis_io import RESUME_HINT, RedisDataLost, text
 
 OUTCOMES = ("trained", "stale_dropped", "timeout_dropped", "failed_dropped", "worker_lost_dropped", "unused_at_end")
@@ -197,20 +198,21 @@ class Ledger:
         )
         return None if pipe is not None else bool(result)
 
-    def commit_step(self, trained: Iterable[tuple[str, Sequence[bytes | str]]], new_version: int,
-                    announcement: dict[str, str | int]) -> None:
+    def commit_step(self, trained: Iterable[tuple[str, Sequence[bytes | str]]],
+                    announcement: WeightsAnnouncement) -> None:
         """Atomically: mark the step's groups trained (ack+delete their entries) and publish the version.
 
         Safe to retry (redis-py retries on a dropped connection and reloads the script after a restart): the
         commit carries a fresh id, and a commit whose id Redis already holds is not applied again. Raises
         RedisDataLost when Redis is not at version new_version - 1."""
-        k = self.keys
-        args: list[bytes | str | int] = [new_version, uuid.uuid4().hex, TRAINER_GROUP, 0]
+        k, new_version = self.keys, announcement.version
+        args: list[bytes | str | int | float] = [new_version, uuid.uuid4().hex, TRAINER_GROUP, 0]
         for group_id, entry_ids in trained:
             args += [group_id, len(entry_ids), *entry_ids]
             args[3] = int(args[3]) + 1
-        for name, value in announcement.items():
-            args += [name, value]
+        for name, value in announcement.fields().items():
+            if name != "version":  # the script writes the version it commits first
+                args += [name, value]
         status, version = self._commit(keys=[k.version, k.counters, k.inflight, k.traj, k.control, k.weights, k.run],
                                        args=args)
         if status == -1:
@@ -219,11 +221,12 @@ class Ledger:
                 f"{new_version - 1}. Redis lost committed steps (a restart without its AOF, or an AOF behind) or "
                 f"another trainer runs experiment {k.ns}; {RESUME_HINT}")
 
-    def announce(self, version: int, announcement: dict[str, str | int]) -> None:
+    def announce(self, announcement: WeightsAnnouncement) -> None:
         """Re-announce the weights of an already published version (a resumed trainer's model)."""
         with self.client.pipeline(transaction=True) as pipe:
-            pipe.xadd(self.keys.weights, {"version": version, **announcement})  # type: ignore[dict-item]  # str keys
-            pipe.xadd(self.keys.control, {"kind": "version", "version": version}, maxlen=1000, approximate=True)
+            pipe.xadd(self.keys.weights, announcement.fields())  # type: ignore[arg-type]  # str keys
+            pipe.xadd(self.keys.control, control_fields(VersionPublished(announcement.version)),  # type: ignore[arg-type]
+                      maxlen=1000, approximate=True)
             pipe.execute()
 
     def ack_orphans(self, entry_ids: Sequence[bytes | str], stream: str | None = None) -> None:
@@ -261,7 +264,7 @@ class Ledger:
         ranks = sorted({int(rank) for rank, _ in live.values()})
         with self.client.pipeline(transaction=False) as pipe:
             for rank in ranks:
-                pipe.hget(self.keys.worker(rank), "incarnation")
+                pipe.hget(self.keys.worker(rank), INCARNATION)
             beating = {rank: (text(v) if v else None) for rank, v in zip(ranks, pipe.execute())}
         return {g: int(rank) for g, (rank, inc) in live.items() if beating[int(rank)] != inc}
 

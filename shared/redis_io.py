@@ -23,7 +23,9 @@ import redis
 import redis.asyncio
 from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import ExponentialBackoff
+from redis.connection import HiredisRespSerializer
 from redis.retry import Retry
+from redis.utils import HIREDIS_AVAILABLE
 
 from rollstream.shared.config import RedisConfig
 
@@ -165,7 +167,33 @@ async def connect_async(url: str, cfg: RedisConfig) -> redis.asyncio.Redis:
     await asyncio.to_thread(_probe, url)
     retry = AsyncOutageRetry(_Outage(url, cfg.max_outage_s))
     # redis-py types an async client's retry as its sync Retry; AsyncOutageRetry is the async policy it expects
-    return redis.asyncio.Redis.from_url(url, retry=retry, **_options(cfg))  # type: ignore[arg-type]
+    client = redis.asyncio.Redis.from_url(url, retry=retry, **_options(cfg))  # type: ignore[arg-type]
+    pack_with_hiredis(client)
+    return client
+
+
+class _HiredisPacking:
+    """redis-py's async connections pack commands in Python, its sync ones with hiredis when it is installed; the
+    producer packs every trajectory's XADD, and the Python packer was a third of its CPU. Same bytes either way."""
+
+    def pack_command(self, *args: Any) -> list[bytes]:
+        return HiredisRespSerializer().pack(*args)
+
+
+_packing_classes: dict[type, type] = {}
+
+
+def pack_with_hiredis(client: redis.asyncio.Redis) -> None:
+    """Make the connections of an async client pack commands with hiredis (TLS and unix sockets included)."""
+    if not HIREDIS_AVAILABLE:
+        return
+    pool = client.connection_pool
+    base = pool.connection_class
+    if issubclass(base, _HiredisPacking):
+        return
+    if base not in _packing_classes:
+        _packing_classes[base] = type(f"Hiredis{base.__name__}", (_HiredisPacking, base), {})
+    pool.connection_class = _packing_classes[base]
 
 
 def _probe(url: str) -> None:

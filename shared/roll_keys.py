@@ -67,7 +67,9 @@ ROLL_KEYS: tuple[RollKey, ...] = (
     RollKey("actor_infer.generating_args.num_return_sequences", "honoured", "1 only; GRPO samples come from "
             "train_env_manager.group_size"),
     RollKey("actor_infer.generating_args.num_beams", "honoured", "1 only (sampling)"),
-    RollKey("actor_infer.strategy_args.strategy_name", "honoured", "vllm and hf_infer; sglang refused (use vllm)"),
+    RollKey("actor_infer.strategy_args.strategy_name", "honoured", "vllm (an engine per env-worker), vllm_server "
+            "(env-workers share engine servers on actor_infer's devices, as ROLL's actor_infer) and hf_infer; "
+            "sglang refused (use vllm)"),
     RollKey("actor_infer.strategy_args.strategy_config", "honoured", "vllm: gpu_memory_utilization, "
             "tensor_parallel_size, ... ; other vLLM engine keys (block_size, load_format, ...) go to engine_kwargs"),
     RollKey("actor_train.strategy_args.strategy_name", "mapped", "deepspeed_train honoured; megatron_train -> "
@@ -75,7 +77,8 @@ ROLL_KEYS: tuple[RollKey, ...] = (
     RollKey("actor_train.strategy_args.strategy_config", "mapped", "deepspeed_train: zero_stage (or ROLL's "
             "zero_optimization.stage); megatron: parallel sizes must be 1 (refused otherwise)"),
     RollKey("<role>.device_mapping", "honoured", "GPU ids (list(range(0,4)) reads); `rollstream run` sets "
-            "CUDA_VISIBLE_DEVICES of the role's processes"),
+            "CUDA_VISIBLE_DEVICES of the role's processes; under vllm_server, len / tensor_parallel_size engine "
+            "servers, each on its slice"),
     RollKey("actor_train.infer_batch_size", "honoured", "rows per no-grad forward (old and reference logprobs)"),
     RollKey("actor_infer.infer_batch_size", "mapped", "hf_infer: requests per generate call; vllm batches "
             "continuously (notice), as in ROLL"),

@@ -3,13 +3,23 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TypeVar
 
 import redis
 
 from rollstream.shared.keys import TRAINER_GROUP, Keys
 from rollstream.shared.ledger import OUTCOMES, read_counters, reconciles
-from rollstream.shared.redis_io import text
+from rollstream.shared.messages import (
+    LOADED_VERSION,
+    EngineBeat,
+    Fields,
+    MessageError,
+    WorkerBeat,
+    parse_engine_beat,
+    parse_worker_beat,
+)
 
 
 @dataclass
@@ -20,7 +30,11 @@ class Status:
     lag: int | None
     dead_letters: int
     counters: dict[str, int]
-    workers: list[dict[str, str]]
+    workers: list[WorkerBeat]
+    engines: list[EngineBeat] = field(default_factory=list)
+    """Live engine servers (strategy vllm_server)."""
+    unreadable_beats: int = 0
+    """Heartbeat hashes that do not parse (not counted as workers or engines)."""
     finished: int | None = None
     """The final version once the trainer reached max_steps."""
 
@@ -34,10 +48,8 @@ def read_status(client: redis.Redis, keys: Keys) -> Status:
     except redis.ResponseError:  # no stream yet
         pass
     counters = read_counters(client, keys)
-    workers = []
-    for key in sorted(client.scan_iter(match=keys.worker_pattern, count=1000)):
-        workers.append({text(k): text(v) for k, v in client.hgetall(key).items()})
-    workers.sort(key=lambda w: int(w.get("rank", 0)))
+    workers, unreadable_workers = _beats(client, keys.worker_pattern, parse_worker_beat)
+    engines, unreadable_engines = _beats(client, keys.engine_pattern, parse_engine_beat)
     return Status(
         version=int(client.get(keys.version) or 0),
         backlog=int(client.xlen(keys.traj)),
@@ -46,15 +58,32 @@ def read_status(client: redis.Redis, keys: Keys) -> Status:
         dead_letters=int(client.xlen(keys.dead)),
         counters=counters,
         workers=workers,
+        engines=engines,
+        unreadable_beats=unreadable_workers + unreadable_engines,
         finished=None if (end := client.get(keys.finished)) is None else int(end),
     )
 
 
+B = TypeVar("B", WorkerBeat, EngineBeat)
+
+
+def _beats(client: redis.Redis, pattern: str, parse: Callable[[Fields], B]) -> tuple[list[B], int]:
+    """The heartbeats under `pattern` by rank, and how many did not parse."""
+    beats, unreadable = [], 0
+    for key in client.scan_iter(match=pattern, count=1000):
+        try:
+            beats.append(parse(client.hgetall(key)))  # type: ignore[arg-type]  # bytes replies
+        except MessageError:
+            unreadable += 1
+    return sorted(beats, key=lambda b: b.rank), unreadable
+
+
 def loaded_versions(client: redis.Redis, keys: Keys) -> list[int]:
-    """The policy version each live env-worker has loaded (from their heartbeats)."""
+    """The policy version each live env-worker or engine server has loaded (from their heartbeats)."""
     versions = []
-    for key in client.scan_iter(match=keys.worker_pattern, count=1000):
-        loaded = client.hget(key, "loaded_version")
+    for key in [*client.scan_iter(match=keys.worker_pattern, count=1000),
+                *client.scan_iter(match=keys.engine_pattern, count=1000)]:
+        loaded = client.hget(key, LOADED_VERSION)
         if loaded is not None:
             versions.append(int(loaded))
     return versions
@@ -78,18 +107,27 @@ def format_status(status: Status, ns: str) -> str:
     ]
     width = max(len(k) for k, _ in rows)
     lines = [f"{k:<{width}}  {v}" for k, v in rows]
+    if status.unreadable_beats:
+        lines.append(f"{'unreadable heartbeats':<{width}}  {status.unreadable_beats} (written by another version?)")
     lines.append("")
-    if not status.workers:
-        lines.append("no live env-workers")
-        return "\n".join(lines)
-    header = ("rank", "host", "pid", "envs", "episodes", "ep/s", "errors", "version", "seen")
-    table = [header]
     now = time.time()
-    for w in status.workers:
-        seen = f"{now - float(w.get('last_seen', now)):.1f}s ago"
-        table.append((w.get("rank", "?"), w.get("host", "?"), w.get("pid", "?"), w.get("envs", "?"),
-                      w.get("episodes", "?"), w.get("episodes_per_s", "?"), w.get("errors", "?"),
-                      w.get("loaded_version", "?"), seen))
-    widths = [max(len(str(row[i])) for row in table) for i in range(len(header))]
-    lines += ["  ".join(f"{str(v):<{widths[i]}}" for i, v in enumerate(row)) for row in table]
+    if status.workers:
+        workers: list[tuple[object, ...]] = [("rank", "host", "pid", "envs", "episodes", "ep/s", "errors",
+                                              "version", "seen")]
+        workers += [(w.rank, w.host, w.pid, w.envs, w.episodes, w.episodes_per_s, w.errors, w.loaded_version,
+                     f"{now - w.last_seen:.1f}s ago") for w in status.workers]
+        lines += _table(workers)
+    else:
+        lines.append("no live env-workers")
+    if status.engines:
+        engines: list[tuple[object, ...]] = [("engine", "url", "host", "pid", "version", "reloads", "last reload",
+                                              "seen")]
+        engines += [(e.rank, e.url, e.host, e.pid, e.loaded_version, e.reloads, f"{e.last_reload_s:.2f}s",
+                     f"{now - e.last_seen:.1f}s ago") for e in status.engines]
+        lines += ["", *_table(engines)]
     return "\n".join(lines)
+
+
+def _table(rows: list[tuple[object, ...]]) -> list[str]:
+    widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
+    return ["  ".join(f"{str(v):<{widths[i]}}" for i, v in enumerate(row)) for row in rows]

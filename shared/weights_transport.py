@@ -11,6 +11,7 @@ digest as on disk: it covers every file's path and bytes) before loading.
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from pathlib import Path
 
@@ -20,22 +21,22 @@ import redis.asyncio
 
 from rollstream.shared import atomic
 from rollstream.shared.keys import Keys
+from rollstream.shared.messages import WeightsAnnouncement
 from rollstream.shared.weights_io import weights_path_from_uri
 
 SCHEME = "redis-chunks:"
 _MANIFEST = "manifest"
 
 
-def share_weights(client: redis.Redis, keys: Keys, announcement: dict[str, str | int],
-                  chunk_bytes: int) -> dict[str, str | int]:
+def share_weights(client: redis.Redis, keys: Keys, announcement: WeightsAnnouncement,
+                  chunk_bytes: int) -> WeightsAnnouncement:
     """Copy the announced directory into Redis; returns the announcement with the redis-chunks URI.
 
     An announcement without weights (a learner with no model) is returned as it is.
     """
-    uri = str(announcement.get("uri", ""))
-    if not uri:
+    if not announcement.uri:
         return announcement
-    model_dir = weights_path_from_uri(uri)
+    model_dir = weights_path_from_uri(announcement.uri)
     name = model_dir.name
     files = sorted((p for p in model_dir.rglob("*") if p.is_file()), key=lambda p: p.relative_to(model_dir).as_posix())
     manifest = [(p.relative_to(model_dir).as_posix(), p.stat().st_size) for p in files]
@@ -51,7 +52,7 @@ def share_weights(client: redis.Redis, keys: Keys, announcement: dict[str, str |
     except BaseException:
         client.delete(tmp)
         raise
-    return {**announcement, "uri": SCHEME + name}
+    return dataclasses.replace(announcement, uri=SCHEME + name)
 
 
 async def fetch_weights(client: redis.asyncio.Redis, keys: Keys, uri: str, cache_dir: Path) -> str:

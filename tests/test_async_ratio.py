@@ -15,6 +15,7 @@ from rollstream.consumer.data.batcher import Batch
 from rollstream.consumer.train import run_trainer
 from rollstream.shared.keys import Keys
 from rollstream.shared.ledger import read_counters, reconciles
+from rollstream.shared.messages import WeightsAnnouncement
 from rollstream.shared.versioning import admission_cap
 from tests.conftest import scripted_config
 from tests.harness import workers_in_thread
@@ -50,8 +51,8 @@ class CheckingLearner:
         time.sleep(self.step_s)
         return {}
 
-    def publish(self, version: int, suffix: str = "") -> dict[str, str | int]:
-        return {"uri": "", "digest": ""}
+    def publish(self, version: int, suffix: str = "") -> WeightsAnnouncement:
+        return WeightsAnnouncement(version)
 
     def save_checkpoint(self, directory: object) -> None:
         pass

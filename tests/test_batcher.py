@@ -8,6 +8,7 @@ from rollstream.consumer.data.batcher import Batcher
 from rollstream.shared.codec import encode_drop, encode_trajectory
 from rollstream.shared.keys import TRAINER_CONSUMER, Keys
 from rollstream.shared.ledger import Ledger, reconciles
+from rollstream.shared.messages import WeightsAnnouncement
 from rollstream.shared.schema import GroupDropNotice
 from tests.conftest import scripted_config
 from tests.factories import make_traj
@@ -40,9 +41,9 @@ def test_restart_rereads_pending_so_nothing_is_lost_or_used_twice(tmp_path, redi
     restarted = Batcher(redis_client, cfg, consumer=TRAINER_CONSUMER)
     again = restarted.next_batch(0, timeout_s=5)
     assert [g.group_id for g in again.groups] == [g.group_id for g in first.groups]
-    restarted.commit(again, 1, {"uri": "", "digest": ""})
+    restarted.commit(again, WeightsAnnouncement(1))
     rest = restarted.next_batch(1, timeout_s=5)
-    restarted.commit(rest, 2, {"uri": "", "digest": ""})
+    restarted.commit(rest, WeightsAnnouncement(2))
     used = [g.group_id for g in again.groups + rest.groups]
     assert sorted(used) == sorted({*used}) and len(used) == 4
     assert redis_client.xlen(Keys.for_exp("b").traj) == 0
@@ -56,7 +57,7 @@ def test_duplicated_xadds_are_dropped_by_trajectory_id(tmp_path, redis_client) -
     batcher = Batcher(redis_client, cfg)
     batch = batcher.next_batch(0, timeout_s=5)
     assert sorted(t.traj_id for t in batch.trajectories) == sorted({t.traj_id for t in batch.trajectories})
-    batcher.commit(batch, 1, {"uri": "", "digest": ""})
+    batcher.commit(batch, WeightsAnnouncement(1))
     assert redis_client.xlen(Keys.for_exp("b").traj) == 0  # the copy was acked with its group
 
     redis_client.xadd(Keys.for_exp("b").traj, encode_trajectory(make_traj(0, 0, 0)))  # a late copy

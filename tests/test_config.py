@@ -30,7 +30,7 @@ def test_overrides_apply_and_interpolate(tmp_path: Path) -> None:
         ("train_env_manager.num_groups_partition=[8]", "has 1 entries but train_env_manager.tags has 2"),
         ("train_env_manager.tags=[FrozenLake,Nope]", "'Nope', which custom_envs does not define; known tags"),
         ("train_env_manager.max_env_num_per_worker=12", "max_env_num_per_worker=12 is not a multiple of"),
-        ("actor_infer.strategy_args.strategy_name=megatron", "must be 'scripted', 'hf_infer' or 'vllm'"),
+        ("actor_infer.strategy_args.strategy_name=megatron", "must be 'scripted', 'hf_infer', 'vllm' or 'vllm_server'"),
         ("redis.block_ms=60000", "must stay below redis.socket_timeout_s"),
         ("weights_transport=s3", "weights_transport='s3': must be 'filesystem' or 'redis'"),
         ("weights_chunk_mb=0", "weights_chunk_mb=0: must be > 0.0"),

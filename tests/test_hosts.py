@@ -8,7 +8,10 @@ import sys
 import pytest
 
 from rollstream.cli import main
-from rollstream.shared.config import HostsConfig, MachineConfig, TrainerPlacement
+from rollstream.deploy import programs
+from rollstream.shared.config import HostsConfig, MachineConfig, TrainerPlacement, load_config
+from rollstream.shared.config_checks import num_engines
+from rollstream.shared.engines import engine_plans, server_argv
 from rollstream.shared.hosts import plan_hosts
 from tests.conftest import REPO
 
@@ -52,3 +55,52 @@ def test_deploy_to_an_unknown_host_is_one_line_without_a_traceback(tmp_path) -> 
     assert done.stderr == ("rollstream: error: --host 'host-z' is not a host of hosts.machines; known hosts: "
                            "host-a, host-b\n")
     assert not (tmp_path / "conf").exists()
+
+
+FROZEN_LAKE = REPO / "configs" / "frozen_lake.yaml"
+HOSTS = """
+hosts:
+  redis: {host: host-a}
+  trainer: {host: host-a}
+  machines:
+    host-a: {address: 10.0.0.1, env_workers: [0], engines: [0]}
+    host-b: {address: 10.0.0.2, env_workers: [1], engines: [1]}
+train_env_manager: {max_env_num_per_worker: 32}
+"""
+ENGINES = ["actor_infer.strategy_args.strategy_name=vllm_server",
+           "actor_infer.strategy_args.strategy_config={tensor_parallel_size: 2, host: 0.0.0.0, "
+           "urls: ['http://10.0.0.1:8100', 'http://10.0.0.2:8200']}", "actor_infer.device_mapping=[4,5,6,7]"]
+
+
+def engine_files(tmp_path) -> list[str]:
+    (tmp_path / "hosts.yaml").write_text(HOSTS)
+    return [str(FROZEN_LAKE), str(tmp_path / "hosts.yaml")]
+
+
+def test_engines_take_tensor_parallel_slices_of_the_mapping_and_run_on_their_hosts(tmp_path) -> None:
+    cfg = load_config(engine_files(tmp_path), ENGINES)
+    assert num_engines(cfg) == 2
+    plans = engine_plans(cfg)
+    assert [(p.url, p.port, p.devices) for p in plans] == [("http://10.0.0.1:8100", 8100, "4,5"),
+                                                            ("http://10.0.0.2:8200", 8200, "6,7")]
+    argv = server_argv(cfg, plans[1], "/models/policy", cpu=False)
+    assert argv[argv.index("--tensor-parallel-size") + 1] == "2" and argv[argv.index("--port") + 1] == "8200"
+    assert "--enable-scale-out" in argv and "--no-enable-chunked-prefill" not in argv  # chunking: vLLM's own on GPU
+    roles = plan_hosts(cfg.hosts, cfg.train_layout.num_workers, num_engines(cfg))
+    progs = {p.name: p for p in programs(roles["host-b"], "python", tmp_path, None)}
+    assert progs["engine-1"].command[-4:] == ["engine", str(tmp_path / "config.yaml"), "--engine-rank", "1"]
+    assert "engine-0" not in progs and progs["engine-1"].priority < progs["producer-1"].priority
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["hosts.machines.host-b.engines=[]"], "engines [1] are on no host"),
+    (["hosts.machines.host-b.engines=[0,1]"], "engine 0 is on two hosts"),
+    (["actor_infer.device_mapping=[4,5,6]"], "3 GPUs do not split into engines of tensor_parallel_size=2"),
+    (["actor_infer.device_mapping=[4,5]"], "has 2 URLs but there are 1 engines"),
+])
+def test_a_bad_engine_placement_is_one_line_naming_the_key(tmp_path, capsys, overrides: list[str],
+                                                          message: str) -> None:
+    assert main(["config", "show", *engine_files(tmp_path), *ENGINES, *overrides]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("rollstream: error: "), err
+    assert message in err

@@ -7,6 +7,7 @@ import redis.asyncio
 
 from rollstream.shared.keys import Keys
 from rollstream.shared.ledger import AsyncAdmissions, Ledger, reconciles
+from rollstream.shared.messages import WeightsAnnouncement
 from rollstream.shared.versioning import admission_cap, is_stale
 
 KEYS = Keys.for_exp("t")
@@ -52,7 +53,7 @@ def test_commit_step_marks_trained_publishes_and_acks(redis_client) -> None:
     ledger.register(["train/A/g0/e0"])
     entry = redis_client.xadd(KEYS.traj, {"x": 1})
     redis_client.xreadgroup("trainer", "c", {KEYS.traj: ">"})
-    ledger.commit_step([("train/A/g0/e0", [entry])], 1, {"uri": "/w/1", "digest": "abc"})
+    ledger.commit_step([("train/A/g0/e0", [entry])], WeightsAnnouncement(1, "/w/1", "abc"))
     assert ledger.version() == 1
     assert redis_client.xlen(KEYS.traj) == 0
     assert redis_client.xpending(KEYS.traj, "trainer")["pending"] == 0

@@ -8,6 +8,7 @@ from rollstream.consumer.data.batch_stats import rollout_stats
 from rollstream.consumer.data.batcher import Batcher
 from rollstream.shared.codec import decode_entry
 from rollstream.shared.keys import Keys
+from rollstream.shared.messages import WeightsAnnouncement
 from rollstream.shared.recording import read_records
 from rollstream.shared.replay import record_backlog, replay_file
 from tests.conftest import REPO, scripted_config
@@ -25,7 +26,7 @@ def _replay_batches(client: redis.Redis, tmp_path: Path) -> list[tuple[list[str]
         batch = batcher.next_batch(step, timeout_s=5)
         assert batch is not None
         batches.append(([g.group_id for g in batch.groups], rollout_stats(batch.trajectories, step)))
-        batcher.commit(batch, step + 1, {"uri": "", "digest": ""})
+        batcher.commit(batch, WeightsAnnouncement(step + 1))
     assert batcher.next_batch(2, timeout_s=0.3) is None
     return batches
 

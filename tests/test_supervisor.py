@@ -135,7 +135,10 @@ def test_two_hosts_under_supervisord_train_survive_stop_and_kill_and_end_cleanly
     version = lambda: int(redis_client.get(keys.version) or 0)  # noqa: E731
     starts = [a.ctl_async("start", "trainer"), a.ctl_async("start", "producers:*"), b.ctl_async("start", "producers:*")]
     assert [p.wait(60) for p in starts] == [0, 0, 0]
-    _wait(lambda: version() >= 2, "batches from both hosts")
+    # each worker runs two groups of 8 at once, so more than 2 x 7 writes means a complete group of each in the
+    # stream (the graceful stop below ends only groups in flight): every rank is then in the trained record
+    writes = lambda rank: int(redis_client.hget(keys.run, f"writes:worker:{rank}") or 0)  # noqa: E731
+    _wait(lambda: version() >= 2 and all(writes(rank) > 2 * 7 for rank in range(4)), "batches from both hosts")
     assert set(b.states()) == {"producers:producer-2", "producers:producer-3"}
 
     # kill -9: supervisord restarts it (a restart takes seconds on a busy machine: done first)

@@ -13,6 +13,7 @@ from rollstream.consumer.pruning import prune_redis_versions
 from rollstream.producer.policy.hf import HFPolicy
 from rollstream.producer.worker import EnvWorker
 from rollstream.shared.keys import Keys
+from rollstream.shared.messages import WeightsAnnouncement
 from rollstream.shared.weights_io import compute_digest, weights_path_from_uri
 from rollstream.shared.weights_transport import SCHEME, fetch_weights, share_weights
 from tests.conftest import scripted_config
@@ -44,16 +45,16 @@ def _fetch(url: str, uri: str, cache: Path) -> str:
 def test_a_version_round_trips_through_redis_chunks_with_the_same_digest(tmp_path: Path, redis_server,
                                                                          redis_client: redis.Redis) -> None:
     src = _weights_dir(tmp_path / "trainer")
-    announcement = share_weights(redis_client, KEYS, {"uri": src.as_uri(), "digest": compute_digest(src)},
+    announcement = share_weights(redis_client, KEYS, WeightsAnnouncement(3, src.as_uri(), compute_digest(src)),
                                  chunk_bytes=1000)
-    assert announcement["uri"] == SCHEME + "v3"
+    assert announcement.uri == SCHEME + "v3"
     assert redis_client.keys(f"{KEYS.ns}:weights:*") == [KEYS.weights_blob("v3").encode()]  # no temp key left
 
     cache = tmp_path / "producer"
-    local = weights_path_from_uri(_fetch(redis_server.url, str(announcement["uri"]), cache))
+    local = weights_path_from_uri(_fetch(redis_server.url, announcement.uri, cache))
     assert local == (cache / "v3").resolve()
-    assert compute_digest(local) == announcement["digest"]
-    assert _fetch(redis_server.url, str(announcement["uri"]), cache) == local.as_uri()  # downloaded once
+    assert compute_digest(local) == announcement.digest
+    assert _fetch(redis_server.url, announcement.uri, cache) == local.as_uri()  # downloaded once
     assert _fetch(redis_server.url, src.as_uri(), cache) == src.as_uri()  # file:// passes through
 
     with pytest.raises(FileNotFoundError, match="Redis has no key"):
@@ -62,7 +63,7 @@ def test_a_version_round_trips_through_redis_chunks_with_the_same_digest(tmp_pat
 
 
 def test_an_announcement_without_weights_is_not_shared(redis_client: redis.Redis) -> None:
-    assert share_weights(redis_client, KEYS, {"uri": "", "digest": ""}, 1000) == {"uri": "", "digest": ""}
+    assert share_weights(redis_client, KEYS, WeightsAnnouncement(1), 1000) == WeightsAnnouncement(1)
     assert redis_client.dbsize() == 0
 
 
@@ -84,7 +85,7 @@ def test_a_worker_loads_a_version_announced_over_redis_into_its_engine(tmp_path:
     the digest and loads them, and older downloads are removed."""
     model = tiny_versions(tmp_path / "model", tied=False)
     announcement = share_weights(redis_client, Keys.for_exp("frozen_lake_scripted"),
-                                 {"uri": model.v1.as_uri(), "digest": model.v1_digest}, chunk_bytes=1 << 16)
+                                 WeightsAnnouncement(1, model.v1.as_uri(), model.v1_digest), chunk_bytes=1 << 16)
     cfg = scripted_config(tmp_path)
     stale = tmp_path / "out" / "weights_downloaded" / "worker-0" / "v0"
     stale.mkdir(parents=True)
@@ -94,8 +95,7 @@ def test_a_worker_loads_a_version_announced_over_redis_into_its_engine(tmp_path:
         policy = HFPolicy(model.v0)
         try:
             worker = EnvWorker(cfg, 0, client, policy)
-            await worker._load({b"version": b"1", b"uri": str(announcement["uri"]).encode(),
-                                b"digest": model.v1_digest.encode()})
+            await worker._load({k.encode(): str(v).encode() for k, v in announcement.fields().items()})
             return policy.version
         finally:
             await policy.close()

@@ -27,6 +27,9 @@ class Group:
     first_seen: float
     members: dict[int, Trajectory] = field(default_factory=dict)
     entry_ids: list[bytes] = field(default_factory=list)
+    version: int = 0
+    """The oldest policy version among the members' tokens: what the staleness filter looks at (kept as members
+    are added: the trainer checks every ready group at every poll)."""
 
     @property
     def complete(self) -> bool:
@@ -35,11 +38,6 @@ class Group:
     @property
     def trajectories(self) -> list[Trajectory]:
         return [self.members[m] for m in sorted(self.members)]
-
-    @property
-    def version(self) -> int:
-        """The oldest policy version among the members' tokens: what the staleness filter looks at."""
-        return min(t.version for t in self.members.values())
 
 
 class GroupAssembler:
@@ -58,6 +56,7 @@ class GroupAssembler:
         group.entry_ids.append(entry_id)
         if traj.member in group.members:
             return Added.DUPLICATE
+        group.version = min(group.version, traj.version) if group.members else traj.version
         group.members[traj.member] = traj
         if group.complete:
             self.ready[group.group_id] = self.partial.pop(group.group_id)

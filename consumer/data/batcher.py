@@ -20,6 +20,7 @@ from rollstream.consumer.data.reader import Entry, StreamReader
 from rollstream.shared.config import RollstreamConfig
 from rollstream.shared.keys import Keys
 from rollstream.shared.ledger import Ledger
+from rollstream.shared.messages import WeightsAnnouncement
 from rollstream.shared.schema import GroupDropNotice, Trajectory
 from rollstream.shared.versioning import is_stale
 
@@ -166,7 +167,7 @@ class Batcher:
             self._dropped[outcome] += 1
             log.info("group %s %s: %s", group_id, outcome, reason)
 
-    def commit(self, batch: Batch, new_version: int, announcement: dict[str, str | int]) -> None:
+    def commit(self, batch: Batch, announcement: WeightsAnnouncement) -> None:
         """After the train step: the batch's groups are trained, their entries acked and deleted,
-        and version `new_version` is published, all in one transaction."""
-        self.ledger.commit_step([(g.group_id, g.entry_ids) for g in batch.groups], new_version, announcement)
+        and the announced version is published, all in one transaction."""
+        self.ledger.commit_step([(g.group_id, g.entry_ids) for g in batch.groups], announcement)

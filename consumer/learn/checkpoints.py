@@ -1,8 +1,8 @@
 """Checkpoints: where they live (<output_dir>/checkpoints/step_<n>), which one a resume uses, and their files.
 
 A checkpoint directory holds the strategy's part (`strategy/`: model, optimizer, schedule; a multi-rank strategy
-has every rank write its own partition there) and the learner's state (`learner.pt`: steps done and every RNG a
-training process draws from, as tensors and plain values so it loads with `weights_only`).
+has every rank write its own partition there) and the learner's state (`learner.safetensors`: steps done and every
+RNG a training process draws from, stored by `state_file` without pickle).
 """
 
 from __future__ import annotations
@@ -18,10 +18,11 @@ from typing import Any, cast
 import numpy as np
 import torch
 
+from rollstream.consumer.learn.state_file import load_state, save_state
 from rollstream.shared import atomic
 from rollstream.shared.config import ConfigError, RollstreamConfig
 
-LEARNER_STATE_FILE = "learner.pt"
+LEARNER_STATE_FILE = "learner.safetensors"
 STRATEGY_DIR = "strategy"
 
 _NAME = re.compile(r"step_(\d+)")
@@ -74,18 +75,18 @@ def save_checkpoint(directory: str | os.PathLike[str], save_strategy: Callable[[
     with atomic.staged_dir(directory, replace=True) as tmp:
         (tmp / STRATEGY_DIR).mkdir()
         save_strategy(tmp / STRATEGY_DIR)
-        torch.save({"steps_done": state.steps_done, "rng": capture_rng(state.generator)}, tmp / LEARNER_STATE_FILE)
+        save_state({"steps_done": state.steps_done, "rng": capture_rng(state.generator)}, tmp / LEARNER_STATE_FILE)
 
 
 def load_learner_state(directory: str | os.PathLike[str], generator: torch.Generator) -> int:
     """Restore every RNG from a checkpoint; returns its steps done."""
-    state = torch.load(Path(directory) / LEARNER_STATE_FILE, weights_only=True)
+    state = load_state(Path(directory) / LEARNER_STATE_FILE)
     restore_rng(state["rng"], generator)
     return int(state["steps_done"])
 
 
 def capture_rng(generator: torch.Generator) -> dict[str, Any]:
-    """Every RNG a training process draws from, as tensors and plain values (loadable with weights_only)."""
+    """Every RNG a training process draws from, as tensors and plain values (what `state_file` stores)."""
     np_state = cast(tuple[str, np.ndarray, int, int, float], np.random.get_state(legacy=True))
     py_version, py_state, py_gauss = random.getstate()
     return {

@@ -8,14 +8,18 @@ draw them, each split over the ranks by tokens) and sends every rank its shard. 
 Ranks > 0 run `Follower.run`: receive a message, do their part of it, until the leader's stop, which it sends
 when run_trainer closes its learner: at max_steps, after SIGTERM, or on an error.
 
-A rank that dies inside a collective makes the others fail in it once the transport sees the peer gone, and the
-launcher stops the remaining ranks when one exits with an error; nothing waits for a dead rank for ever.
+A rank that dies is found by rank 0's `RankWatch` (heartbeats in the launcher's store): within
+`strategy_config.rank_timeout_s` rank 0 stops with one line that names it and says how to resume, whether it was
+inside a collective (which fails once the transport sees the peer gone, or would wait long on a frozen one),
+waiting for a batch, or stopping on the launcher's SIGTERM. The launcher stops the remaining ranks.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -24,9 +28,12 @@ import torch
 
 from rollstream.consumer.learn.checkpoints import strategy_dir
 from rollstream.consumer.learn.policy_learner import PolicyLearner, plan_update, run_shard
+from rollstream.consumer.learn.rank_watch import Heartbeat, RankLost, RankWatch
 from rollstream.consumer.learn.strategy import launched_world_size, make_strategy
 from rollstream.consumer.learn.tensors import TokenBatch
 from rollstream.shared.config import ConfigError, RollstreamConfig
+from rollstream.shared.config_checks import strategy_options
+from rollstream.shared.messages import WeightsAnnouncement
 
 log = logging.getLogger(__name__)
 
@@ -67,42 +74,67 @@ class Control:
 class LeaderLearner(PolicyLearner):
     """Rank 0's learner: a PolicyLearner whose every collective call brings the followers along."""
 
-    def __init__(self, cfg: RollstreamConfig, control: Control) -> None:
+    def __init__(self, cfg: RollstreamConfig, control: Control, watch: RankWatch) -> None:
         super().__init__(cfg, make_strategy(cfg))
         self.control = control
+        self.watch = watch
         self.stopped = False
+        self.lost: RankLost | None = None
+
+    @contextlib.contextmanager
+    def _with_followers(self) -> Iterator[None]:
+        """A call that needs every rank: if it fails because a rank is gone, say which (RankLost)."""
+        try:
+            yield
+        except RankLost:
+            raise
+        except Exception as e:
+            try:
+                self.watch.check(e)
+            except RankLost as lost:
+                self.lost = lost
+                raise
+            raise
 
     def update(self, tokens: TokenBatch) -> dict[str, float]:
         shards = plan_update(tokens, self.settings, self.generator, self.control.world_size)
-        self.control.scatter([(TRAIN, shard) for shard in shards])
-        return run_shard(self.strategy, shards[0], self.settings, self.reference)
+        with self._with_followers():
+            self.control.scatter([(TRAIN, shard) for shard in shards])
+            return run_shard(self.strategy, shards[0], self.settings, self.reference)
 
-    def publish(self, version: int, suffix: str = "") -> dict[str, str | int]:
-        self.control.broadcast((PUBLISH,))
-        return super().publish(version, suffix)
+    def publish(self, version: int, suffix: str = "") -> WeightsAnnouncement:
+        with self._with_followers():
+            self.control.broadcast((PUBLISH,))
+            return super().publish(version, suffix)
 
     def save_strategy(self, directory: Path) -> None:
         # Every rank writes its ZeRO partition into the same (temporary) directory; the leader renames it only
         # after all of them are done.
-        self.control.broadcast((SAVE, str(directory)))
-        super().save_strategy(directory)
-        self.control.barrier()
+        with self._with_followers():
+            self.control.broadcast((SAVE, str(directory)))
+            super().save_strategy(directory)
+            self.control.barrier()
 
     def load_checkpoint(self, directory: str | os.PathLike[str]) -> None:
-        self.control.broadcast((LOAD, str(strategy_dir(directory))))
-        super().load_checkpoint(directory)
+        with self._with_followers():
+            self.control.broadcast((LOAD, str(strategy_dir(directory))))
+            super().load_checkpoint(directory)
 
     def close(self) -> None:
         """Stop the followers, then close; once (run_trainer closes on every exit, errors included, and so does
-        the trainer command in case run_trainer never started)."""
+        the trainer command in case run_trainer never started). If a follower is gone (the launcher's SIGTERM
+        after a rank died ends the loop like an operator's stop would), raise RankLost instead of ending well."""
         if self.stopped:
             return
         self.stopped = True
         try:
-            self.control.broadcast((STOP,))
-        except Exception:  # a follower is gone: the launcher stops the rest; keep the original error
-            log.exception("could not send the stop message to the other ranks")
-        super().close()
+            if self.lost is None:
+                with self._with_followers():
+                    self.watch.check()  # every follower beat since: none is gone, the stop can go out
+                    self.watch.paused = True  # the followers stop beating once they have it
+                    self.control.broadcast((STOP,))
+        finally:
+            super().close()
 
 
 class Follower:
@@ -146,7 +178,11 @@ def start_rank(cfg: RollstreamConfig) -> LeaderLearner | Follower:
 
     init_distributed()
     control = Control()  # every rank creates it at the same point, before the engine's own groups
-    return LeaderLearner(cfg, control) if control.rank == 0 else Follower(cfg, control)
+    timeout_s = strategy_options(cfg.actor_train.strategy_args, "actor_train").rank_timeout_s
+    if control.rank == 0:
+        return LeaderLearner(cfg, control, RankWatch(control.world_size, timeout_s))
+    Heartbeat(control.rank, timeout_s)  # before the model loads: rank 0 watches from now on
+    return Follower(cfg, control)
 
 
 def end_rank() -> None:

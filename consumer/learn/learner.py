@@ -7,6 +7,7 @@ from typing import Protocol
 
 from rollstream.consumer.data.batcher import Batch
 from rollstream.shared.config import RollstreamConfig
+from rollstream.shared.messages import WeightsAnnouncement
 
 
 class Learner(Protocol):
@@ -14,8 +15,8 @@ class Learner(Protocol):
         """Update the policy on one batch; returns metrics namespaced like `loss/pg`."""
         ...
 
-    def publish(self, version: int, suffix: str = "") -> dict[str, str | int]:
-        """Write the weights of `version` where producers can load them; returns {uri, digest}.
+    def publish(self, version: int, suffix: str = "") -> WeightsAnnouncement:
+        """Write the weights of `version` where producers can load them; returns what to announce.
         `suffix` names a re-publication of an already announced version (after a resume)."""
         ...
 
@@ -38,8 +39,8 @@ class StatsOnlyLearner:
     def train_step(self, batch: Batch) -> dict[str, float]:
         return {}
 
-    def publish(self, version: int, suffix: str = "") -> dict[str, str | int]:
-        return {"uri": "", "digest": ""}
+    def publish(self, version: int, suffix: str = "") -> WeightsAnnouncement:
+        return WeightsAnnouncement(version)
 
     def save_checkpoint(self, directory: Path) -> None:
         pass  # no state: the ledger in Redis is all there is to resume

@@ -54,6 +54,7 @@ from rollstream.consumer.learn.strategy import TrainStrategy, causal_lm_logits, 
 from rollstream.consumer.learn.tensors import Shard, TokenBatch, build_token_batch, plan_shards
 from rollstream.shared import atomic
 from rollstream.shared.config import OldLogprobs, RollstreamConfig, choices
+from rollstream.shared.messages import WeightsAnnouncement
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +136,7 @@ class PolicyLearner:
         """The PPO update on the whole batch (a multi-rank leader splits it over the ranks instead)."""
         return ppo_update(self.strategy, tokens, self.settings, self.generator, self.reference)
 
-    def publish(self, version: int, suffix: str = "") -> dict[str, str | int]:
+    def publish(self, version: int, suffix: str = "") -> WeightsAnnouncement:
         """Write `version` as a HF safetensors directory <output_dir>/weights/v<version><suffix>, atomically."""
         final = self.weights_dir / f"v{version}{suffix}"
         if final.exists():
@@ -144,7 +145,7 @@ class PolicyLearner:
             log.warning("replacing unannounced weights %s left by an interrupted run", final)
             shutil.rmtree(atomic.move_aside(final), ignore_errors=True)
         digest = self.strategy.publish_weights(final, self.tokenizer)
-        return {"uri": final.resolve().as_uri(), "digest": digest}
+        return WeightsAnnouncement(version, final.resolve().as_uri(), digest)
 
     def save_checkpoint(self, directory: str | os.PathLike[str]) -> None:
         """Model, optimizer, lr schedule, RNG and step count into `directory`, replaced atomically."""

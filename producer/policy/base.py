@@ -32,6 +32,8 @@ class GenerateRequest:
     """Token ids of the whole conversation so far, chat template applied (token-in/token-out backends)."""
     action_names: Sequence[str] = ()
     """The env's valid actions; only the scripted policy looks at them."""
+    min_version: int = 0
+    """The episode's admission version: a reply from older weights is refused (engine servers, which may lag)."""
 
 
 @dataclass

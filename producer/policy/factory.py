@@ -29,6 +29,14 @@ def make_policy(cfg: RollstreamConfig) -> Policy:
         if cfg.actor_infer.infer_batch_size is not None:  # ROLL's key for the same thing; strategy_config wins
             options.setdefault("max_batch_size", cfg.actor_infer.infer_batch_size)
         return HFPolicy(cfg.pretrain, seed=cfg.seed, **_checked(HFPolicy, options))
+    if strategy.strategy_name == "vllm_server":
+        from rollstream.producer.policy.vllm_server import VLLMServerPolicy
+        from rollstream.shared.engines import engine_plans, server_options
+
+        server = server_options(cfg)
+        return VLLMServerPolicy(cfg.pretrain, [plan.url for plan in engine_plans(cfg)],
+                                startup_timeout_s=server.startup_timeout_s,
+                                request_timeout_s=server.request_timeout_s, max_connections=server.max_connections)
     from rollstream.producer.policy.vllm import VLLMPolicy
 
     # The engine computes in the trainer's dtype: "auto" picked bf16 on CPU, and then the behaviour logprobs

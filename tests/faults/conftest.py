@@ -97,13 +97,14 @@ class Job:
     url: str
     overrides: list[str]
     exp_name: str = "faults"
+    config: Path = CONFIG
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.record = self.tmp_path / "trained.msgpack"
         self.logs = self.tmp_path / "logs"
         self.logs.mkdir(exist_ok=True)
-        self.cfg = load_config(CONFIG, [
+        self.cfg = load_config(self.config, [
             f"exp_name={self.exp_name}", f"output_dir={self.tmp_path / 'out'}", "wandb_mode=disabled",
             f"record_to={self.record}", "redis.block_ms=200", *self.overrides])
         self.config_path = self.tmp_path / "config.yaml"
@@ -124,6 +125,15 @@ class Job:
 
     def start_trainer(self, url: str | None = None) -> subprocess.Popen[bytes]:
         return self.spawn("trainer", "trainer", str(self.config_path), url=url)
+
+    def start_ranks(self, ranks: int, *overrides: str) -> subprocess.Popen[bytes]:
+        """The trainer on `ranks` ranks under torchrun, as `rollstream deploy` launches it."""
+        with open(self.logs / "trainer.log", "ab") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
+                                     "--module", "rollstream", "trainer", str(self.config_path), *overrides],
+                                    env=self.env() | {"OMP_NUM_THREADS": "1"}, stdout=log, stderr=subprocess.STDOUT)
+        self.procs["trainer"] = proc
+        return proc
 
     def start_workers(self, *args: str) -> list[subprocess.Popen[bytes]]:
         return [self.spawn(f"producer-{rank}", "producer", str(self.config_path), "--worker-rank", str(rank), *args)
@@ -155,10 +165,10 @@ class Job:
 def job_factory(tmp_path: Path) -> Iterator[Callable[..., Job]]:
     jobs: list[Job] = []
 
-    def make(url: str, *overrides: str, name: str = "job") -> Job:
+    def make(url: str, *overrides: str, name: str = "job", config: Path = CONFIG) -> Job:
         path = tmp_path / name
         path.mkdir()
-        jobs.append(Job(path, url, list(overrides)))
+        jobs.append(Job(path, url, list(overrides), config=config))
         return jobs[-1]
 
     yield make

@@ -8,6 +8,7 @@ import redis
 from rollstream.shared.config import RedisConfig
 from rollstream.shared.keys import TRAINER_GROUP, Keys
 from rollstream.shared.ledger import Ledger
+from rollstream.shared.messages import WeightsAnnouncement
 from rollstream.shared.redis_io import RedisDataLost, connect
 from tests.faults.conftest import FaultRedis, ReplyDropper
 
@@ -30,7 +31,7 @@ def test_a_commit_whose_reply_is_lost_across_a_restart_is_applied_once(fault_red
     # The commit runs, then Redis is killed -9 and restarted (appendfsync always) before the reply gets back:
     # redis-py retries on a new connection, against an empty script cache.
     proxy.arm(KEYS.weights.encode(), on_drop=fault_redis.restart)
-    ledger.commit_step([(GROUP, ids)], 1, {"uri": "file:///w/v1", "digest": "sha256:x"})
+    ledger.commit_step([(GROUP, ids)], WeightsAnnouncement(1, "file:///w/v1", "sha256:x"))
     assert proxy.dropped.is_set()
 
     after = fault_redis.client()
@@ -48,7 +49,7 @@ def test_a_commit_after_a_script_flush_still_marks_its_groups_trained(fault_redi
     ids = _one_group_read_by_the_trainer(client)
     ledger.register([GROUP])
     client.script_flush()
-    ledger.commit_step([(GROUP, ids)], 1, {"uri": "", "digest": ""})
+    ledger.commit_step([(GROUP, ids)], WeightsAnnouncement(1))
     assert int(client.get(KEYS.version)) == 1 and int(client.hget(KEYS.counters, "trained")) == 1
 
 
@@ -59,5 +60,5 @@ def test_a_commit_on_a_redis_whose_version_went_back_stops_with_one_clear_error(
     ledger.register([GROUP])
     client.set(KEYS.version, 3)  # the trainer is at step 5: Redis lost steps 3 and 4
     with pytest.raises(RedisDataLost, match="Redis holds policy version 3, expected 5.*--fresh"):
-        ledger.commit_step([(GROUP, ids)], 6, {"uri": "", "digest": ""})
+        ledger.commit_step([(GROUP, ids)], WeightsAnnouncement(6))
     assert int(client.get(KEYS.version)) == 3 and client.zcard(KEYS.inflight) == 1  # nothing applied

@@ -78,9 +78,9 @@ class TinySampler:
     def reply_logprob(self, traj: Trajectory, model: torch.nn.Module | None = None) -> float:
         """Sum of the logprobs of every generated token of `traj` under `model` (default: the sampler's)."""
         model = model or self.model
-        ids = torch.as_tensor(traj.input_ids, dtype=torch.long)[None]
+        ids = torch.from_numpy(np.array(traj.input_ids, dtype=np.int64))[None]  # a copy: decoded arrays are read-only
         logp = model(ids).logits[0, :-1].float().log_softmax(-1).gather(1, ids[0, 1:, None])[:, 0]
-        return float((logp * torch.as_tensor(traj.response_mask[1:], dtype=torch.float32)).sum())
+        return float((logp * torch.from_numpy(np.array(traj.response_mask[1:], dtype=np.float32))).sum())
 
 
 def make_trajectory(group_index: int, member: int, input_ids: list[int], spans: list[tuple[int, int]],

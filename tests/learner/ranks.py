@@ -95,7 +95,7 @@ def _rank_main(rank: int, world_size: int, port: int, tmp_path: Path, model: Pat
                     else:
                         learner.load_checkpoint(tmp_path / action.removeprefix(f"{RESUME}:") / "checkpoint")
                     metrics = learner.train_step(make_batch(groups, 1))
-                metrics["publish/digest"] = learner.publish(1 if action == STEP else 2)["digest"]  # type: ignore[assignment]
+                metrics["publish/digest"] = learner.publish(1 if action == STEP else 2).digest  # type: ignore[assignment]
             finally:
                 learner.close()
             (tmp_path / name / "metrics.json").write_text(json.dumps(metrics))

@@ -52,7 +52,7 @@ def one_step(tmp_path: Path, model: Path, strategy: str, groups: list[list[Traje
     trained = learner(tmp_path, model, strategy, *overrides)
     try:
         metrics = trained.train_step(make_batch(groups))
-        published = weights_path_from_uri(str(trained.publish(1)["uri"]))
+        published = weights_path_from_uri(trained.publish(1).uri)
         return metrics, load_safetensors_dir(published)
     finally:
         trained.close()

@@ -125,9 +125,10 @@ def test_publish_writes_a_loadable_verified_directory(tmp_path: Path, tiny_model
     learner = torch_learner(tmp_path, tiny_model)
     learner.train_step(make_batch(groups))
     announced = learner.publish(1)
-    path = weights_path_from_uri(str(announced["uri"]))
-    assert str(announced["uri"]).startswith("file://") and path == tmp_path / "out" / "weights" / "v1"
-    verify_digest(path, str(announced["digest"]))
+    path = weights_path_from_uri(announced.uri)
+    assert announced.version == 1 and announced.uri.startswith("file://")
+    assert path == tmp_path / "out" / "weights" / "v1"
+    verify_digest(path, announced.digest)
     loaded = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     for name, value in learner.strategy.model.state_dict().items():
         torch.testing.assert_close(loaded.state_dict()[name], value.cpu())
@@ -137,8 +138,8 @@ def test_publish_writes_a_loadable_verified_directory(tmp_path: Path, tiny_model
     # A version left by a run that crashed before announcing it is replaced, not an error.
     learner.train_step(make_batch(groups, 1))
     again = learner.publish(1)
-    verify_digest(path, str(again["digest"]))
-    assert again["digest"] != announced["digest"]
+    verify_digest(path, again.digest)
+    assert again.digest != announced.digest
     learner.close()
 
 

@@ -44,10 +44,10 @@ def tiny_versions(root: Path, tied: bool) -> TinyVersions:
 def reference_logprobs(model_dir: Path, input_ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
     """log p(input_ids[t] | input_ids[:t]) at each t in `positions`, from one unpadded transformers forward."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    ids = torch.as_tensor(np.asarray(input_ids), dtype=torch.long)
+    ids = torch.from_numpy(np.array(input_ids, dtype=np.int64))  # a copy: decoded arrays are read-only views
     with torch.no_grad():
         logp = model(ids[None]).logits[0].float().log_softmax(-1)
-    pos = torch.as_tensor(np.asarray(positions), dtype=torch.long)
+    pos = torch.from_numpy(np.array(positions, dtype=np.int64))
     return logp[pos - 1, ids[pos]].numpy()
 
 

@@ -177,6 +177,7 @@ def make_strategy(cfg: RollstreamConfig) -> TrainStrategy:
     if name == "deepspeed_train":
         from rollstream.consumer.learn.strategy.deepspeed_strategy import DeepSpeedStrategy
 
+        del options["rank_timeout_s"]  # the ranks' watch, not the engine (distributed.start_rank)
         return DeepSpeedStrategy(model, optim, **options,
                                  micro_batch_size=cfg.actor_train.training_args.per_device_train_batch_size)
     raise ConfigError(f"actor_train.strategy_args.strategy_name={name!r}: must be torch_train or deepspeed_train")

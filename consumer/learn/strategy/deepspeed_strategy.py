@@ -31,6 +31,10 @@ from typing import Any
 
 import deepspeed
 import torch
+from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
+from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+from deepspeed.runtime.zero.config import ZeroStageEnum
+from deepspeed.utils.tensor_fragment import fragment_address
 
 from rollstream.consumer.learn.strategy import (
     ModelSettings,
@@ -44,6 +48,22 @@ from rollstream.shared.weights_io import save_pretrained_atomically
 
 ZERO_STAGES = choices(ZeroStage)
 CHECKPOINT_TAG = "state"
+
+CHECKPOINT_CLASSES = [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]
+"""What DeepSpeed's checkpoints name besides tensors and containers (read off their pickles, ZeRO 1-3)."""
+
+
+class SafeLoadingCheckpointEngine(TorchCheckpointEngine):
+    """DeepSpeed's own checkpoint files (torch.save: a pickle inside a zip), read with `weights_only=True`.
+
+    DeepSpeed loads them with weights_only=False, which runs whatever a file names. Its state holds objects of its
+    own (the ZeRO stage enum, the loss scaler, fragment addresses), so it cannot be written without pickle short of
+    replacing its checkpointing; reading is restricted instead: the unpickler builds tensors, containers and the
+    classes above, and refuses a file that names anything else."""
+
+    def load(self, path: str, map_location: Any = None) -> Any:
+        with torch.serialization.safe_globals(CHECKPOINT_CLASSES):
+            return torch.load(path, map_location=map_location, weights_only=True)
 
 
 def _free_port() -> int:
@@ -120,6 +140,8 @@ class DeepSpeedStrategy:
             lr_scheduler=lambda opt: make_scheduler(opt, optim),
             dist_init_required=False,
         )
+        if type(self.engine.checkpoint_engine) is TorchCheckpointEngine:  # the default; others are left alone
+            self.engine.checkpoint_engine = SafeLoadingCheckpointEngine(self.engine._config)
         self.model = self.engine.module
         self.device = torch.device(self.engine.device)
         self.world_size = world_size()

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from rollstream.consumer.learn.state_file import load_state, save_state
 from rollstream.consumer.learn.strategy import (
     ModelSettings,
     OptimSettings,
@@ -18,7 +19,8 @@ from rollstream.consumer.learn.strategy import (
 from rollstream.shared.config import ConfigError
 from rollstream.shared.weights_io import save_pretrained_atomically
 
-CHECKPOINT_FILE = "torch_strategy.pt"
+CHECKPOINT_FILE = "torch_strategy.safetensors"
+"""Model, optimizer and schedule state: tensors in safetensors, the rest as JSON in its metadata (no pickle)."""
 
 
 def pick_device(device: str | None) -> torch.device:
@@ -98,10 +100,10 @@ class TorchStrategy:
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
         }
-        torch.save(state, directory / CHECKPOINT_FILE)
+        save_state(state, directory / CHECKPOINT_FILE)
 
     def load_checkpoint(self, directory: Path) -> None:
-        state = torch.load(directory / CHECKPOINT_FILE, map_location=self.device, weights_only=True)
+        state = load_state(directory / CHECKPOINT_FILE, self.device)
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
