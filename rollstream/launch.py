@@ -152,7 +152,10 @@ def _wait_for_trainer(trainer: subprocess.Popen[bytes],
     """The trainer's exit code. A crashed env-worker or engine (roles: what -> (processes, spawn, log prefix)) is
     restarted (its list is updated in place) up to MAX_WORKER_RESTARTS times; one more crash ends the run with 1."""
     terminated = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: terminated.set())  # only a flag: the loop below drains
+    # Only a flag: the loop below drains. SIGINT is taken here too, as the trainer and env-workers take it: a
+    # launch from a script's background job inherits SIGINT ignored, and Ctrl-C would stop them but not this.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: terminated.set())
     restarts = {what: [0] * len(processes) for what, (processes, _, _) in roles.items()}
     try:
         while trainer.poll() is None:
