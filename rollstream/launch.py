@@ -157,25 +157,22 @@ def _wait_for_trainer(trainer: subprocess.Popen[bytes],
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: terminated.set())
     restarts = {what: [0] * len(processes) for what, (processes, _, _) in roles.items()}
-    try:
-        while trainer.poll() is None:
-            if terminated.is_set():
-                raise KeyboardInterrupt
-            for what, (processes, spawn, prefix) in roles.items():
-                for rank, p in enumerate(processes):
-                    if p.poll() in (None, 0):
-                        continue
-                    process_log = logs / f"{prefix}-{rank}.log"
-                    if restarts[what][rank] == MAX_WORKER_RESTARTS:
-                        log.error("%s %d exited with code %s after %d restarts: see %s; stopping the run", what,
-                                  rank, p.returncode, restarts[what][rank], process_log)
-                        return 1
-                    restarts[what][rank] += 1
-                    log.warning("%s %d exited with code %s (see %s): restarting it (%d of %d)", what, rank,
-                                p.returncode, process_log, restarts[what][rank], MAX_WORKER_RESTARTS)
-                    processes[rank] = spawn(rank)
-            time.sleep(0.5)
-    except KeyboardInterrupt:
+    while trainer.poll() is None and not terminated.is_set():
+        for what, (processes, spawn, prefix) in roles.items():
+            for rank, p in enumerate(processes):
+                if p.poll() in (None, 0):
+                    continue
+                process_log = logs / f"{prefix}-{rank}.log"
+                if restarts[what][rank] == MAX_WORKER_RESTARTS:
+                    log.error("%s %d exited with code %s after %d restarts: see %s; stopping the run", what,
+                              rank, p.returncode, restarts[what][rank], process_log)
+                    return 1
+                restarts[what][rank] += 1
+                log.warning("%s %d exited with code %s (see %s): restarting it (%d of %d)", what, rank,
+                            p.returncode, process_log, restarts[what][rank], MAX_WORKER_RESTARTS)
+                processes[rank] = spawn(rank)
+        time.sleep(0.5)
+    if terminated.is_set():  # checked after the loop too: a Ctrl-C'd trainer may drain and exit 0 before a tick
         log.warning("interrupted: stopping the trainer and env-workers")
         trainer.send_signal(signal.SIGTERM)
         trainer.wait()
