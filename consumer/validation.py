@@ -19,7 +19,8 @@ from rollstream.consumer.data.batch_stats import per_tag_stats
 from rollstream.consumer.data.reader import StreamReader
 from rollstream.shared.config import RollstreamConfig
 from rollstream.shared.keys import TRAINER_GROUP, Keys
-from rollstream.shared.messages import ControlMessage, PausedRound, ValidationEnded, ValidationStarted, control_fields
+from rollstream.shared.ledger import add_control
+from rollstream.shared.messages import ControlMessage, PausedRound, ValidationEnded, ValidationStarted
 from rollstream.shared.schema import VAL_GREEDY_MEMBER, GroupDropNotice, Trajectory, parse_group_id
 from rollstream.shared.seeding import episode_seed
 
@@ -57,8 +58,7 @@ class Validator:
         return stats
 
     def _announce(self, message: ControlMessage) -> None:
-        self.client.xadd(self.keys.control, control_fields(message), maxlen=1000,  # type: ignore[arg-type]
-                         approximate=True)
+        add_control(self.client, self.keys.control, message)
 
     def _collect(self, round_: int) -> tuple[list[Trajectory], int]:
         deadline = time.monotonic() + self.cfg.group_timeout_s

@@ -20,13 +20,23 @@ import redis
 import redis.asyncio
 
 from rollstream.shared.keys import TRAINER_GROUP, Keys
-from rollstream.shared.messages import INCARNATION, VersionPublished, WeightsAnnouncement, control_fields
+from rollstream.shared.messages import (
+    INCARNATION,
+    ControlMessage,
+    VersionPublished,
+    WeightsAnnouncement,
+    control_fields,
+)
 from rollstream.shared.redis_io import RESUME_HINT, RedisDataLost, text
 
 OUTCOMES = ("trained", "stale_dropped", "timeout_dropped", "failed_dropped", "worker_lost_dropped", "unused_at_end")
 """How an admitted group ends. All but trained return the group's slot, so another episode may start.
 worker_lost_dropped: the env-worker that admitted it died (heartbeat expired, or it restarted);
 unused_at_end: still in flight when the trainer reached max_steps."""
+
+CONTROL_MAXLEN = 1000
+"""About how many messages `<ns>:control` keeps (approximate MAXLEN; workers read only new ones). The Lua
+scripts below write the same figure."""
 
 # KEYS: version, counters, inflight, episodes, paused, owners, finished
 # ARGV: groups per batch G, ratio r, group prefix (the group id without its episode index), owner ("" = none)
@@ -225,8 +235,7 @@ class Ledger:
         """Re-announce the weights of an already published version (a resumed trainer's model)."""
         with self.client.pipeline(transaction=True) as pipe:
             pipe.xadd(self.keys.weights, announcement.fields())  # type: ignore[arg-type]  # str keys
-            pipe.xadd(self.keys.control, control_fields(VersionPublished(announcement.version)),  # type: ignore[arg-type]
-                      maxlen=1000, approximate=True)
+            add_control(pipe, self.keys.control, VersionPublished(announcement.version))
             pipe.execute()
 
     def ack_orphans(self, entry_ids: Sequence[bytes | str], stream: str | None = None) -> None:
@@ -329,3 +338,8 @@ def reconciles(counts: dict[str, int]) -> bool:
     """admitted = trained + stale + timed out + failed + worker lost + unused at end + in flight."""
     ended = sum(counts.get(o, 0) for o in OUTCOMES)
     return counts.get("admitted", 0) == ended + counts.get("in_flight", 0)
+
+
+def add_control(client: redis.Redis | redis.client.Pipeline, key: str, message: ControlMessage) -> None:
+    """XADD `message` to the control stream `key`, trimmed to about CONTROL_MAXLEN entries."""
+    client.xadd(key, control_fields(message), maxlen=CONTROL_MAXLEN, approximate=True)  # type: ignore[arg-type]

@@ -28,8 +28,13 @@ class Group:
     members: dict[int, Trajectory] = field(default_factory=dict)
     entry_ids: list[bytes] = field(default_factory=list)
     version: int = 0
-    """The oldest policy version among the members' tokens: what the staleness filter looks at (kept as members
-    are added: the trainer checks every ready group at every poll)."""
+    """The oldest policy version among the members' tokens: what the staleness filter looks at (kept by `add`,
+    not recomputed: the trainer checks every ready group at every poll)."""
+
+    def add(self, traj: Trajectory) -> None:
+        """Take `traj` as its member (the one way members are written, so `version` stays true)."""
+        self.version = min(self.version, traj.version) if self.members else traj.version
+        self.members[traj.member] = traj
 
     @property
     def complete(self) -> bool:
@@ -56,8 +61,7 @@ class GroupAssembler:
         group.entry_ids.append(entry_id)
         if traj.member in group.members:
             return Added.DUPLICATE
-        group.version = min(group.version, traj.version) if group.members else traj.version
-        group.members[traj.member] = traj
+        group.add(traj)
         if group.complete:
             self.ready[group.group_id] = self.partial.pop(group.group_id)
             return Added.COMPLETED

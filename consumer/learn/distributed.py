@@ -79,7 +79,6 @@ class LeaderLearner(PolicyLearner):
         self.control = control
         self.watch = watch
         self.stopped = False
-        self.lost: RankLost | None = None
 
     @contextlib.contextmanager
     def _with_followers(self) -> Iterator[None]:
@@ -89,11 +88,7 @@ class LeaderLearner(PolicyLearner):
         except RankLost:
             raise
         except Exception as e:
-            try:
-                self.watch.check(e)
-            except RankLost as lost:
-                self.lost = lost
-                raise
+            self.watch.check(e)
             raise
 
     def update(self, tokens: TokenBatch) -> dict[str, float]:
@@ -128,10 +123,9 @@ class LeaderLearner(PolicyLearner):
             return
         self.stopped = True
         try:
-            if self.lost is None:
+            if self.watch.lost is None:
                 with self._with_followers():
-                    self.watch.check()  # every follower beat since: none is gone, the stop can go out
-                    self.watch.paused = True  # the followers stop beating once they have it
+                    self.watch.check(resume=False)  # every follower beat since: none is gone, the stop can go out
                     self.control.broadcast((STOP,))
         finally:
             super().close()

@@ -85,6 +85,8 @@ class RankWatch:
         """rank -> (its counter, when rank 0 last saw it move)."""
         self.paused = False
         """Set while the main thread handles a failure itself, or has stopped the followers: the thread waits."""
+        self.lost: RankLost | None = None
+        """What `check` found, once it found a rank gone."""
         threading.Thread(target=self._run, name="rank-watch", daemon=True).start()
 
     def _count(self, rank: int) -> int:
@@ -107,17 +109,21 @@ class RankWatch:
         while True:
             dead = self.poll()
             silent = [rank for rank, (count, _) in self.seen.items() if count == before[rank]]
-            if not silent or dead or time.monotonic() - start >= self.timeout_s:
-                return sorted(set(dead) | (set(silent) if time.monotonic() - start >= self.timeout_s else set()))
+            expired = time.monotonic() - start >= self.timeout_s
+            if dead or expired or not silent:
+                return sorted(set(dead).union(silent if expired else ()))
             time.sleep(self.period_s / 2)
 
-    def check(self, cause: BaseException | None = None) -> None:
-        """After a collective failed (or before the stop message): raise RankLost if a rank is gone."""
+    def check(self, cause: BaseException | None = None, *, resume: bool = True) -> None:
+        """After a collective failed (or before the stop message): raise RankLost, and keep it as `lost`, if a
+        rank is gone. The thread waits meanwhile, and goes on waiting with `resume=False` (the stop is going out:
+        the followers stop beating once they have it)."""
         self.paused = True
         dead = self.verdict()
         if dead:
-            raise RankLost(lost_message(dead, self.timeout_s)) from cause
-        self.paused = False
+            self.lost = RankLost(lost_message(dead, self.timeout_s))
+            raise self.lost from cause
+        self.paused = not resume
 
     def _run(self) -> None:
         while True:

@@ -144,7 +144,7 @@ def make_batch(groups: Sequence[Sequence[Trajectory]], step: int = 0) -> Batch:
     for trajs in groups:
         group = Group(trajs[0].group_id, len(trajs), 0.0)
         for t in trajs:
-            group.members[t.member] = t
+            group.add(t)
         out.append(group)
     return Batch(step, out)
 
