@@ -22,6 +22,7 @@ import torch
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX as QWEN2_PRETOKENIZE_REGEX
 from transformers.utils import logging as transformers_logging
 
@@ -83,8 +84,9 @@ def env_texts(envs: Sequence[TextEnv], episodes: int, seed: int = 0) -> Iterator
                 done, turn = terminated or truncated, turn + 1
 
 
-def train_tokenizer(texts: Iterator[str], vocab_size: int) -> PreTrainedTokenizerFast:
-    """A byte-level BPE with ChatML special tokens, the reply tags as single tokens and the chat template."""
+def train_tokenizer(texts: Iterator[str], vocab_size: int, *, cell_wise: bool = False) -> PreTrainedTokenizerFast:
+    """A byte-level BPE with ChatML special tokens, the reply tags as single tokens and the chat template;
+    `cell_wise`: merging only lowercase letters (see `_cell_wise`; a diagnostic, not the main job's)."""
     bpe = Tokenizer(models.BPE())
     # Qwen2's own normalizer and pre-tokenizer: transformers rebuilds them for any model_type "qwen2" directory,
     # so training with anything else would make the saved tokenizer split text differently once loaded.
@@ -104,12 +106,46 @@ def train_tokenizer(texts: Iterator[str], vocab_size: int) -> PreTrainedTokenize
         show_progress=False,
     )
     bpe.train_from_iterator(texts, trainer=trainer)
+    if cell_wise:
+        bpe = _cell_wise(bpe)
     bpe.add_tokens([AddedToken(tag, normalized=False) for tag in REPLY_TAGS])
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=bpe, eos_token=IM_END, pad_token=PAD_TOKEN, unk_token=None, bos_token=None
     )
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
+
+
+def _joins_words_only(token: str, byte_of: dict[str, int]) -> bool:
+    """Whether a byte-level BPE token is an optional space and lowercase letters, or one multi-byte character's
+    bytes: the only merges `_cell_wise` keeps."""
+    raw = bytes(byte_of[c] for c in token)
+    if all(b >= 0x80 for b in raw):
+        return True
+    word = raw[1:] if raw.startswith(b" ") else raw
+    return word.isalpha() and word.islower()
+
+
+def _cell_wise(bpe: Tokenizer) -> Tokenizer:
+    """`bpe` without the merges that join anything but lowercase letters: every grid cell, capital letter,
+    digit, punctuation mark and newline stays one token of its own.
+
+    Trained freely, BPE merges grid cells into tokens such as `_PO`, `_\n` or `____\n`, so the cell below the
+    player sits a different number of tokens away on every map. Cell-wise tokens keep it row-length + 1 tokens
+    away, at 1.4x the prompt length. Not the default: benchmarks/map_reading_probe.py measured both, and the
+    freely merged tokenizer lets the tiny model read a map as well (README, learning).
+    """
+    byte_of = {c: b for b, c in bytes_to_unicode().items()}
+    state = json.loads(bpe.to_str())
+    model = state["model"]
+    model["merges"] = [pair for pair in model["merges"] if _joins_words_only("".join(pair), byte_of)]
+    keep = {"".join(pair) for pair in model["merges"]}
+    specials = {added["content"] for added in state["added_tokens"]}
+    tokens = sorted(model["vocab"], key=model["vocab"].get)
+    model["vocab"] = {t: i for i, t in enumerate(t for t in tokens if t in specials or len(t) == 1 or t in keep)}
+    for added in state["added_tokens"]:
+        added["id"] = model["vocab"][added["content"]]
+    return Tokenizer.from_str(json.dumps(state))
 
 
 def tiny_config(

@@ -12,7 +12,16 @@ from tokenizers import Tokenizer
 from transformers import AutoConfig, AutoTokenizer
 
 from rollstream.shared.config import TinyModelConfig
-from rollstream.tiny_model import REPLY_TAGS, describe, format_valid_rate, main_tiny_model, sft_format_warm_start
+from rollstream.tiny_model import (
+    REPLY_TAGS,
+    corpus_envs,
+    describe,
+    env_texts,
+    format_valid_rate,
+    main_tiny_model,
+    sft_format_warm_start,
+    train_tokenizer,
+)
 
 from .helpers import TinyVersions
 
@@ -28,6 +37,21 @@ def test_the_saved_tokenizer_is_the_trained_one(tied_model: TinyVersions) -> Non
     for tag in REPLY_TAGS:
         assert len(loaded.encode(tag, add_special_tokens=False)) == 1, tag
     assert loaded.eos_token == "<|im_end|>" and loaded.pad_token == "<|endoftext|>"
+
+
+def test_a_cell_wise_tokenizer_keeps_every_grid_cell_one_token(tmp_path: Path) -> None:
+    """The map-reading probe's alternative: merges join lowercase letters only, and it still loads as trained."""
+    trained = train_tokenizer(env_texts(corpus_envs(), 20, seed=0), 1024, cell_wise=True)
+    trained.save_pretrained(tmp_path)
+    loaded = AutoTokenizer.from_pretrained(tmp_path)
+    grid = "_PO_\n__O_\n#X√#"
+    ids = loaded.encode(grid, add_special_tokens=False)
+    assert [loaded.decode([i]) for i in ids] == list(grid)
+    words = loaded.encode(" the goal", add_special_tokens=False)
+    assert len(words) < len(" the goal")  # words still merge
+    assert loaded.decode(loaded.encode(TEXT, add_special_tokens=False)) == TEXT
+    for tag in REPLY_TAGS:
+        assert len(loaded.encode(tag, add_special_tokens=False)) == 1, tag
 
 
 def test_the_configs_fit_vllm_cpu(tied_model: TinyVersions, untied_model: TinyVersions) -> None:
