@@ -4,11 +4,13 @@
 
 Each run is `rollstream run CONFIG seed=S` in its own output dir, with its own embedded Redis; the seed also
 builds its own tiny model (tokenizer, initial weights and format warm start), so runs differ the way two users'
-runs differ. Runs go one after another: they would compete for the cores otherwise. From each run's
+runs differ. Runs go one after another: they would compete for the cores otherwise. `--report-only` runs nothing
+and reports the runs already in the output dirs. From each run's
 `metrics.jsonl` (wall-clock minutes since the trainer started beside every logged metric) it takes held-out
 success, greedy (`val/success`) and sampled (`val_sampled/success`), as the last validation round logged by 5, 10
-and 15 minutes and at the end, and writes:
-- a table on stdout: min / median / max over runs at each of those times;
+and 15 minutes and at the end, its peak (and when) and the lowest value after the peak (a run that learned and
+then collapsed shows there), and writes:
+- a table on stdout: min / median / max over runs at each of those times, of the peak and of the low after it;
 - `benchmarks/results/learning_runs-<exp>.csv`: one row per run (env, seed, build seconds, the figures above);
 - `benchmarks/results/learning_runs-<exp>.png`: every run's held-out curves on a wall-clock axis, with the
   reference policies on the same maps drawn as dashed lines.
@@ -39,8 +41,9 @@ CURVES = {"greedy": "val/success", "sampled": "val_sampled/success"}
 @dataclass
 class Run:
     seed: int
-    build_s: float
-    """From launch to the trainer's first logged metric: model build, engine start, first validation round."""
+    build_s: float | None
+    """From launch to the trainer's first logged metric: model build, engine start, first validation round
+    (None for a run reported from its output dir, whose launch time is not known)."""
     records: list[dict[str, float]] = field(default_factory=list)
 
     def curve(self, key: str) -> list[tuple[float, float]]:
@@ -50,6 +53,20 @@ class Run:
         """The last value logged by `minutes` into the run (None: the end)."""
         points = [v for m, v in self.curve(key) if minutes is None or m <= minutes]
         return points[-1] if points else None
+
+    def peak(self, key: str) -> tuple[float, float] | None:
+        """(best value, minutes when first reached) over the run."""
+        points = self.curve(key)
+        if not points:
+            return None
+        minutes, value = max(points, key=lambda p: (p[1], -p[0]))
+        return value, minutes
+
+    def low_after_peak(self, key: str) -> float | None:
+        """The lowest value logged after the peak: how far a run fell back from its best."""
+        peak = self.peak(key)
+        after = [v for m, v in self.curve(key) if peak and m > peak[1]]
+        return min(after) if after else None
 
     def references(self) -> dict[str, float]:
         last: dict[str, float] = {}
@@ -68,9 +85,15 @@ def run_once(config: Path, seed: int, out_root: Path, overrides: list[str]) -> R
     code = subprocess.call(cmd, env=env)
     if code != 0:
         raise SystemExit(f"run with seed {seed} exited with code {code}; its logs are under {out}/logs")
+    run = load_run(out, seed)
+    first = run.records[0]
+    run.build_s = first["time"] - 60 * first["minutes"] - launched
+    return run
+
+
+def load_run(out: Path, seed: int) -> Run:
     records = [json.loads(line) for line in (out / RECORD).read_text().splitlines() if line.strip()]
-    first = records[0]
-    return Run(seed, first["time"] - 60 * first["minutes"] - launched, records)
+    return Run(seed, None, records)
 
 
 def summary_rows(runs: list[Run]) -> list[list[str]]:
@@ -84,19 +107,26 @@ def summary_rows(runs: list[Run]) -> list[list[str]]:
     for minutes in (*MINUTES, None):
         label = f"{minutes} min" if minutes else "end"
         rows.append([label, *(spread([r.at(key, minutes) for r in runs]) for key in CURVES.values())])
+    rows.append(["peak", *(spread([p[0] if (p := r.peak(key)) else None for r in runs]) for key in CURVES.values())])
+    rows.append(["lowest after the peak", *(spread([r.low_after_peak(key) for r in runs]) for key in CURVES.values())])
     return rows
 
 
 def write_csv(path: Path, env_name: str, runs: list[Run]) -> None:
     columns = ["env", "seed", "build_s", "steps", "run_minutes"]
     columns += [f"{name}_success_{m}min" for m in MINUTES for name in CURVES] + [f"{n}_success_end" for n in CURVES]
+    columns += [f"{n}_{what}" for n in CURVES for what in ("success_peak", "peak_minutes", "success_after_peak_min")]
     with path.open("w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(columns)
         for r in runs:
             figures = [r.at(key, m) for m in MINUTES for key in CURVES.values()]
             figures += [r.at(key, None) for key in CURVES.values()]
-            writer.writerow([env_name, r.seed, round(r.build_s, 1), int(r.records[-1]["step"]),
+            for key in CURVES.values():
+                peak = r.peak(key)
+                figures += [*(peak or (None, None)), r.low_after_peak(key)]
+            writer.writerow([env_name, r.seed, "" if r.build_s is None else round(r.build_s, 1),
+                             int(r.records[-1]["step"]),
                              round(r.records[-1]["minutes"], 2),
                              *("" if v is None else round(v, 4) for v in figures)])
 
@@ -131,12 +161,18 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="*", help="default: 1..runs")
     parser.add_argument("--config", type=Path, default=REPO / "configs" / "frozen_lake.yaml")
     parser.add_argument("--out", type=Path, default=REPO / "output" / "learning_runs")
+    parser.add_argument("--report-only", action="store_true",
+                        help="run nothing: report the runs already in the output dirs (e.g. after a cut-off sweep)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides for every run")
     args = parser.parse_args()
     seeds = args.seeds or list(range(1, args.runs + 1))
     cfg = load_config(args.config, args.overrides)
     env_name = "+".join(cfg.train_env_manager.tags)
-    runs = [run_once(args.config, seed, args.out / cfg.exp_name, args.overrides) for seed in seeds]
+    out_root = args.out / cfg.exp_name
+    if args.report_only:
+        runs = [load_run(out_root / f"seed{seed}", seed) for seed in seeds]
+    else:
+        runs = [run_once(args.config, seed, out_root, args.overrides) for seed in seeds]
 
     RESULTS.mkdir(parents=True, exist_ok=True)
     stem = RESULTS / f"learning_runs-{cfg.exp_name}"
@@ -146,9 +182,10 @@ def main() -> None:
     print("| minutes into the run | greedy | sampled |\n|---|---|---|")
     for row in summary_rows(runs):
         print("| " + " | ".join(row) + " |")
-    builds = [r.build_s for r in runs]
-    print(f"launch to first metric (model build, engine start, first validation): {min(builds):.0f}-"
-          f"{max(builds):.0f} s")
+    builds = [r.build_s for r in runs if r.build_s is not None]
+    if builds:
+        print(f"launch to first metric (model build, engine start, first validation): {min(builds):.0f}-"
+              f"{max(builds):.0f} s")
     for name, value in sorted(runs[0].references().items()):
         print(f"reference {name}: {value:.3f}")
     print(f"wrote {stem}.csv and {stem}.png")
