@@ -105,8 +105,10 @@ def ensure_pretrained(cfg: RollstreamConfig) -> None:
         return
     from rollstream.tiny_model import main_tiny_model
 
-    log.info("building the tiny model in %s (format warm start: up to %.0f s)", cfg.pretrain,
-             cfg.tiny_model.sft_seconds)
+    settings = cfg.tiny_model
+    bound = f"{settings.sft_steps} steps" if settings.sft_seconds is None else \
+        f"up to {settings.sft_steps} steps or {settings.sft_seconds:.0f} s"
+    log.info("building the tiny model in %s (format warm start: %s)", cfg.pretrain, bound)
     main_tiny_model(str(cfg.pretrain), cfg.tiny_model, seed=cfg.seed)
 
 

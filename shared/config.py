@@ -306,8 +306,9 @@ class TinyModelConfig:
     """Width of the tiny model."""
     layers: Annotated[int, Field(ge=1, le=64)] = 2
     """Transformer layers of the tiny model."""
-    sft_seconds: Annotated[float, Field(ge=0.0)] = 120.0
-    """Format warm start: supervised fine-tuning on replies with uniformly random valid actions, this long."""
+    sft_seconds: Annotated[float, Field(ge=0.0)] | None = 120.0
+    """Format warm start: supervised fine-tuning on replies with uniformly random valid actions, at most this long;
+    null: sft_steps alone bounds it, so a seed builds the same model on every machine."""
     sft_steps: Count = 2000
     """Most steps of that warm start."""
 
@@ -377,7 +378,13 @@ class RollstreamConfig:
     gamma: Annotated[float, Field(ge=0.0, le=1.0)] = 1.0
     """Discount of gigpo's step-level returns."""
     pg_clip: Annotated[float, Field(gt=0.0)] = 0.2
-    """PPO clip range of the policy ratio."""
+    """PPO clip range of the policy ratio: [1 - pg_clip, 1 + pg_clip]."""
+    use_pg_clip_range: bool = False
+    """true: clip the ratio to [1 - pg_clip_low, 1 + pg_clip_high] instead (DAPO's clip-higher: high > low)."""
+    pg_clip_low: Annotated[float, Field(gt=0.0, lt=1.0)] = 0.2
+    """Clip range below 1 when use_pg_clip_range is true."""
+    pg_clip_high: Annotated[float, Field(gt=0.0)] = 0.2
+    """Clip range above 1 when use_pg_clip_range is true (DAPO uses 0.28 with a low of 0.2)."""
     init_kl_coef: Annotated[float, Field(ge=0.0)] = 0.0
     """k3 KL penalty to the initial weights (pretrain); 0 loads no reference model."""
     whiten_advantages: bool = False
@@ -392,6 +399,9 @@ class RollstreamConfig:
     """Clip advantages to [-adv_clip, adv_clip] after whitening; unset: no clipping."""
     gigpo_step_weight: Annotated[float, Field(ge=0.0)] = 1.0
     """gigpo: omega in A = A_episode + omega * A_step."""
+    skip_zero_advantage: bool = False
+    """Leave out of the update the trajectories whose advantages are all zero (their group scored alike): no
+    gradient, only trainer time. Needs init_kl_coef 0, entropy_loss_coef 0 and whiten_advantages false."""
     old_logprobs: OldLogprobs = "engine"
     """PPO ratio anchor: engine (the behaviour policy's logprobs) or recompute (trainer weights before the step)."""
     is_ratio_cap: Annotated[float, Field(gt=1.0)] = 3.0
@@ -424,6 +434,13 @@ class RollstreamConfig:
     """When set, the trainer appends every trajectory it trains on to this file (see `rollstream replay`)."""
     hosts: HostsConfig = field(default_factory=HostsConfig)
     """Which host runs Redis, the trainer and which env-workers (`rollstream deploy supervisor`); see hosts.py."""
+
+    @property
+    def pg_clip_range(self) -> tuple[float, float]:
+        """(below 1, above 1): the PPO clip of the policy ratio."""
+        if self.use_pg_clip_range:
+            return self.pg_clip_low, self.pg_clip_high
+        return self.pg_clip, self.pg_clip
 
     @property
     def groups_per_batch(self) -> int:

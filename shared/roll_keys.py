@@ -26,6 +26,7 @@ class RollKey:
 
 _HONOURED_TOP = ("exp_name", "seed", "output_dir", "logging_dir", "render_save_dir", "max_steps", "save_steps",
                  "logging_steps", "eval_steps", "resume_from_checkpoint", "pretrain", "ppo_epochs", "pg_clip",
+                 "use_pg_clip_range", "pg_clip_low", "pg_clip_high",
                  "init_kl_coef", "whiten_advantages", "entropy_loss_coef", "rollout_batch_size", "sequence_length",
                  "async_generation_ratio")
 ROLL_KEYS: tuple[RollKey, ...] = (

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 _MODE_SALT = {"train": 0, "val": 1}  # validation plays maps that training never sees
 
 
+@functools.lru_cache(maxsize=4096)
 def episode_seed(exp_seed: int, mode: str, group_index: int, episode: int) -> int:
-    """The seed of the e-th episode of a group: every member of the group plays this same episode."""
+    """The seed of the e-th episode of a group: every member of the group plays this same episode.
+
+    Cached: each member of the group asks for it, and a SeedSequence costs tens of microseconds (measured at 14%
+    of an env-worker's CPU per trajectory in the transport benchmark)."""
     entropy = [exp_seed, _MODE_SALT[mode], group_index, episode]
     return int(np.random.SeedSequence(entropy).generate_state(1, np.uint32)[0])
 

@@ -28,6 +28,9 @@ log = logging.getLogger(__name__)
 
 STRANDED_CHECK_S = 2.0
 """How often an idle or caught-up trainer compares its pending count in Redis with the entries it holds."""
+TIMEOUT_CHECKS_PER_TIMEOUT = 4
+"""The timeout sweep runs this many times per group_timeout_s (at most once a second): a group ends at most a
+quarter of its timeout late, and a trainer polling a busy stream does not ask Redis at every read."""
 
 
 @dataclass
@@ -59,6 +62,7 @@ class Batcher:
         self._suspects: set[str] = set()
         """Groups whose worker looked gone at the last check: ended if still so at the next one."""
         self._last_stranded_check = 0.0
+        self._next_timeout_check = 0.0
 
     def next_batch(self, step: int, *, timeout_s: float | None = None) -> Batch | None:
         """Block until G usable complete groups are in hand (None if `timeout_s` passes first)."""
@@ -86,7 +90,8 @@ class Batcher:
             held = self._held_entry_ids()
             entries = [e for e in entries if e.entry_id not in held]
         self.route(entries)
-        if self.reader.caught_up and not self._reread_stranded():
+        if self.reader.caught_up and not self._reread_stranded() and time.monotonic() >= self._next_timeout_check:
+            self._next_timeout_check = time.monotonic() + min(1.0, self.cfg.group_timeout_s / TIMEOUT_CHECKS_PER_TIMEOUT)
             self.expire_timed_out()
         if self.reader.drained and time.monotonic() >= self._next_reap:
             # Twice per heartbeat period: a lost worker's groups end within about one period after its heartbeat
@@ -114,13 +119,15 @@ class Batcher:
         return True
 
     def route(self, entries: list[Entry]) -> None:
-        alive = self.ledger.inflight_of([e.item.group_id for e in entries])
+        # Only this trainer ends groups, so a group it holds is in flight; Redis is asked about the others only.
+        unknown = list({e.item.group_id: None for e in entries if not self.assembler.known(e.item.group_id)})
+        in_flight = dict(zip(unknown, self.ledger.inflight_of(unknown)))
         ended_here: set[str] = set()  # groups this read ended: later entries of theirs are orphans too
         orphans = []
         now = time.monotonic()
-        for entry, in_flight in zip(entries, alive):
+        for entry in entries:
             item = entry.item
-            if not in_flight or item.group_id in ended_here:
+            if not in_flight.get(item.group_id, True) or item.group_id in ended_here:
                 # The group already ended: a duplicate, or a late member of a dropped group.
                 orphans.append(entry.entry_id)
             elif isinstance(item, GroupDropNotice):

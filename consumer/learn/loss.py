@@ -86,9 +86,14 @@ def ppo_policy_loss(
     *,
     clip_eps: float,
     ratio_cap: float,
+    clip_eps_high: float | None = None,
     weights: torch.Tensor | None = None,
 ) -> PolicyLossOutput:
     """PPO's clipped surrogate per token, with the ratio truncated at `ratio_cap` for negative advantages.
+
+    The ratio is clipped to [1 - clip_eps, 1 + clip_eps_high] (`clip_eps_high` None: clip_eps). A wider upper
+    bound is DAPO's clip-higher (Yu et al. 2025): a token the policy rarely samples can gain more probability
+    from one positive advantage, which keeps exploration alive where the symmetric clip lets entropy collapse.
 
     The clip alone bounds the objective only on one side: for A < 0 the pessimistic max picks -A * ratio, which
     grows without bound when the current policy puts far more mass on a token than `old` did. That is exactly
@@ -99,7 +104,8 @@ def ppo_policy_loss(
     log_ratio = (logprobs - old_logprobs).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps)
+    high = clip_eps if clip_eps_high is None else clip_eps_high
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + high)
     loss = torch.maximum(unclipped, clipped)
     cap = -advantages * ratio_cap
     truncate = (advantages < 0) & (loss > cap)

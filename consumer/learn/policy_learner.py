@@ -66,7 +66,7 @@ Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tens
 @dataclass(frozen=True)
 class UpdateSettings:
     clip_eps: float = 0.2
-    """PPO clip range (`pg_clip`)."""
+    """PPO clip range below 1 (`pg_clip`, or `pg_clip_low` with `use_pg_clip_range`)."""
     ratio_cap: float = 3.0
     """Truncation of the importance ratio (`is_ratio_cap`), see the module docstring."""
     old_logprobs: OldLogprobs = "engine"
@@ -85,6 +85,8 @@ class UpdateSettings:
     logprob_rows: int | None = None
     """Rows per no-grad forward of the old and reference logprobs (`actor_train.infer_batch_size`); None uses
     `microbatch_rows`."""
+    clip_eps_high: float | None = None
+    """PPO clip range above 1 (`pg_clip_high` with `use_pg_clip_range`); None: the same as `clip_eps`."""
 
     def __post_init__(self) -> None:
         if self.old_logprobs not in OLD_LOGPROB_SOURCES:
@@ -93,9 +95,10 @@ class UpdateSettings:
     @classmethod
     def from_config(cls, cfg: RollstreamConfig) -> UpdateSettings:
         args = cfg.actor_train.training_args
-        return cls(cfg.pg_clip, cfg.is_ratio_cap, cfg.old_logprobs, cfg.init_kl_coef, cfg.entropy_loss_coef,
+        low, high = cfg.pg_clip_range
+        return cls(low, cfg.is_ratio_cap, cfg.old_logprobs, cfg.init_kl_coef, cfg.entropy_loss_coef,
                    cfg.ppo_epochs, minibatch_size(cfg), args.per_device_train_batch_size,
-                   args.max_tokens_per_microbatch, cfg.actor_train.infer_batch_size)
+                   args.max_tokens_per_microbatch, cfg.actor_train.infer_batch_size, high)
 
 
 def advantage_settings(cfg: RollstreamConfig) -> AdvantageSettings:
@@ -127,8 +130,11 @@ class PolicyLearner:
         tokens = build_token_batch(trajs, advantages, whiten=self.cfg.whiten_advantages, clip=self.cfg.adv_clip)
         check_trainable(tokens, batch.step)
         metrics = advantage_stats(tokens)
+        if self.cfg.skip_zero_advantage:
+            tokens, metrics["actor/zero_adv_rows"] = without_zero_advantage_rows(tokens)
         metrics["time/advantages_s"] = time.monotonic() - start
-        metrics |= self.update(tokens)
+        if tokens.num_rows:
+            metrics |= self.update(tokens)
         self.steps_done += 1
         return metrics
 
@@ -174,6 +180,17 @@ def check_trainable(tokens: TokenBatch, step: int) -> None:
     if bool((tokens.behaviour_logprobs[tokens.response_mask > 0] == 0).all()):
         raise ValueError(f"batch of step {step}: every generated token has engine logprob 0.0, so the policy did "
                          "not record logprobs; the importance ratio needs them")
+
+
+def without_zero_advantage_rows(tokens: TokenBatch) -> tuple[TokenBatch, int]:
+    """The rows with a non-zero advantage on some response token, and how many were left out.
+
+    With no KL penalty and no entropy bonus, a row whose advantages are all zero has a zero policy gradient: its
+    forward and backward passes cost trainer time and teach nothing (a group whose members all scored the same).
+    Left out, the update's token mean is over the rows that carry a signal (as DAPO trains on such groups only)."""
+    signal = ((tokens.advantages != 0) & (tokens.response_mask > 0)).any(dim=1)
+    keep = torch.nonzero(signal).flatten()
+    return (tokens if len(keep) == tokens.num_rows else tokens.rows(keep)), tokens.num_rows - len(keep)
 
 
 def load_reference(cfg: RollstreamConfig, device: torch.device) -> Forward:
@@ -238,7 +255,8 @@ def microbatch_loss(forward: Forward, part: TokenBatch, settings: UpdateSettings
         assert part.old_logprobs is not None
         old = part.old_logprobs
         weights = truncated_importance_weights(old, part.behaviour_logprobs, settings.ratio_cap)
-    pg = ppo_policy_loss(logprobs, old, part.advantages, clip_eps=settings.clip_eps, ratio_cap=settings.ratio_cap,
+    pg = ppo_policy_loss(logprobs, old, part.advantages, clip_eps=settings.clip_eps,
+                         clip_eps_high=settings.clip_eps_high, ratio_cap=settings.ratio_cap,
                          weights=weights)
     loss = masked_sum(pg.loss, mask) / normalizer
     sums = {"pg": masked_sum(pg.loss, mask).detach(), "clip": masked_sum(pg.clipped, mask),

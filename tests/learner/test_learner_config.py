@@ -24,6 +24,8 @@ def test_defaults_load_without_a_model() -> None:
     ("is_ratio_cap=1", "is_ratio_cap=1: must be > 1"),
     ("gamma=1.5", "gamma=1.5: must be <= 1"),
     ("init_kl_coef=-0.1", "init_kl_coef=-0.1: must be >= 0"),
+    ("pg_clip_low=1", "pg_clip_low=1: must be < 1"),
+    ("pg_clip_high=0", "pg_clip_high=0: must be > 0"),
 ])
 def test_bad_learning_values_are_named(override: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
@@ -41,6 +43,12 @@ def test_bad_training_values_are_named(tmp_path: Path, override: str, message: s
     base = [f"pretrain={tmp_path}", "actor_train.strategy_args.strategy_name=torch_train"]
     with pytest.raises(ConfigError, match=message):
         load_config(None, [*base, override])
+
+
+def test_pg_clip_range_is_rolls() -> None:
+    """pg_clip on both sides unless use_pg_clip_range, then pg_clip_low and pg_clip_high (ROLL's keys)."""
+    assert load_config(None, ["pg_clip=0.3", "pg_clip_high=0.28"]).pg_clip_range == (0.3, 0.3)
+    assert load_config(None, ["use_pg_clip_range=true", "pg_clip_high=0.28"]).pg_clip_range == (0.2, 0.28)
 
 
 def test_a_training_strategy_needs_pretrain() -> None:

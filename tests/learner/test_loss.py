@@ -20,11 +20,12 @@ from rollstream.consumer.learn.loss import (
 )
 
 
-def loss_and_grad(ratio: float, advantage: float, *, clip_eps: float = 0.2, ratio_cap: float = 3.0):
+def loss_and_grad(ratio: float, advantage: float, *, clip_eps: float = 0.2, ratio_cap: float = 3.0,
+                  clip_eps_high: float | None = None):
     """Per-token loss and its gradient with respect to the current logprob, for one token."""
     logprob = torch.tensor([[math.log(ratio)]], requires_grad=True)
     out = ppo_policy_loss(logprob, torch.zeros(1, 1), torch.tensor([[advantage]]), clip_eps=clip_eps,
-                          ratio_cap=ratio_cap)
+                          ratio_cap=ratio_cap, clip_eps_high=clip_eps_high)
     out.loss.sum().backward()
     assert logprob.grad is not None
     return float(out.loss.detach()), float(logprob.grad), out
@@ -46,6 +47,17 @@ def test_on_policy_ratio_is_one_and_the_gradient_is_minus_the_advantage() -> Non
 ])
 def test_clip_and_truncation(ratio: float, advantage: float, expected_loss: float, has_grad: bool) -> None:
     loss, grad, _ = loss_and_grad(ratio, advantage)
+    assert loss == pytest.approx(expected_loss)
+    assert (abs(grad) > 0) == has_grad
+
+
+@pytest.mark.parametrize(("ratio", "advantage", "expected_loss", "has_grad"), [
+    (1.25, 1.0, -1.25, True),  # above 1 + low, below 1 + high: still learning
+    (1.5, 1.0, -1.28, False),  # above 1 + high: clipped there
+    (0.5, -1.0, 0.8, False),   # the lower bound is unchanged
+])
+def test_clip_higher(ratio: float, advantage: float, expected_loss: float, has_grad: bool) -> None:
+    loss, grad, _ = loss_and_grad(ratio, advantage, clip_eps=0.2, clip_eps_high=0.28)
     assert loss == pytest.approx(expected_loss)
     assert (abs(grad) > 0) == has_grad
 

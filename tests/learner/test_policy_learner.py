@@ -93,6 +93,34 @@ def test_micro_batching_does_not_change_the_update(tmp_path: Path, tiny_model: P
     one_row_each.close()
 
 
+def test_skip_zero_advantage_leaves_out_groups_that_scored_alike(tmp_path: Path, tiny_model: Path,
+                                                                 groups: list[list[Trajectory]]) -> None:
+    """A group whose members all scored the same has zero advantages: left out, the update is the one the other
+    groups alone give, and the left-out rows are counted."""
+    alike = [dataclasses.replace(t, score=0.0, turns=[dataclasses.replace(u, reward=0.0) for u in t.turns])
+             for t in groups[0]]
+    skipping = torch_learner(tmp_path / "a", tiny_model, "skip_zero_advantage=true")
+    alone = torch_learner(tmp_path / "b", tiny_model)
+    metrics = skipping.train_step(make_batch([alike, groups[1]]))
+    alone.train_step(make_batch([groups[1]]))
+    assert metrics["actor/zero_adv_rows"] == len(alike)
+    a, b = params(skipping), params(alone)
+    for name in a:
+        torch.testing.assert_close(a[name], b[name])
+    # every group alike: nothing to learn, the weights stay as they were
+    before = params(skipping)
+    nothing = skipping.train_step(make_batch([alike]))
+    assert nothing["actor/zero_adv_rows"] == len(alike) and "actor/optimizer_steps" not in nothing
+    assert all(torch.equal(before[n], p) for n, p in params(skipping).items())
+    skipping.close()
+    alone.close()
+
+
+def test_skip_zero_advantage_is_refused_beside_other_loss_terms(tmp_path: Path, tiny_model: Path) -> None:
+    with pytest.raises(ConfigError, match="skip_zero_advantage=true with init_kl_coef=0.1"):
+        learner_config(tmp_path, tiny_model, "torch_train", "skip_zero_advantage=true", "init_kl_coef=0.1")
+
+
 def test_gigpo_recompute_kl_and_entropy_together(tmp_path: Path, tiny_model: Path, sampler: TinySampler) -> None:
     """Two-turn episodes with per-turn GiGPO advantages, recomputed old logprobs, a KL penalty and an entropy
     bonus, two PPO epochs of two mini-batches each."""

@@ -82,3 +82,17 @@ def test_main_tiny_model_builds_and_warm_starts(tmp_path: Path, capsys: pytest.C
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["steps"] == 2 and Path(report["model_dir"]).is_dir()
     assert (tmp_path / "tiny" / "tokenizer.json").is_file() and (tmp_path / "tiny" / "model.safetensors").is_file()
+
+
+def test_a_step_bounded_build_is_the_same_for_the_same_seed(tmp_path: Path) -> None:
+    """sft_seconds null: the seed alone decides the model (tokenizer, initial weights and warm start), so the
+    runs of a learning measurement differ by their seeds, not by how busy the machine was."""
+    from safetensors.numpy import load_file
+
+    settings = TinyModelConfig(sft_steps=3, sft_seconds=None)
+    for name, seed in (("a", 7), ("b", 7), ("c", 8)):
+        main_tiny_model(str(tmp_path / name), settings, seed=seed, threads=1, eval_prompts=2)
+    a, b, c = (load_file(tmp_path / name / "model.safetensors") for name in "abc")
+    assert (tmp_path / "a" / "tokenizer.json").read_bytes() == (tmp_path / "b" / "tokenizer.json").read_bytes()
+    assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+    assert any((a[k] != c[k]).any() for k in a)
