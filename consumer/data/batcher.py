@@ -91,7 +91,8 @@ class Batcher:
             entries = [e for e in entries if e.entry_id not in held]
         self.route(entries)
         if self.reader.caught_up and not self._reread_stranded() and time.monotonic() >= self._next_timeout_check:
-            self._next_timeout_check = time.monotonic() + min(1.0, self.cfg.group_timeout_s / TIMEOUT_CHECKS_PER_TIMEOUT)
+            every = min(1.0, self.cfg.group_timeout_s / TIMEOUT_CHECKS_PER_TIMEOUT)
+            self._next_timeout_check = time.monotonic() + every
             self.expire_timed_out()
         if self.reader.drained and time.monotonic() >= self._next_reap:
             # Twice per heartbeat period: a lost worker's groups end within about one period after its heartbeat
