@@ -29,8 +29,8 @@ log = logging.getLogger(__name__)
 STRANDED_CHECK_S = 2.0
 """How often an idle or caught-up trainer compares its pending count in Redis with the entries it holds."""
 TIMEOUT_CHECKS_PER_TIMEOUT = 4
-"""The timeout sweep runs this many times per group_timeout_s (at most once a second): a group ends at most a
-quarter of its timeout late, and a trainer polling a busy stream does not ask Redis at every read."""
+"""The timeout sweep runs this many times per group_timeout_s, and at least once a second: a group ends at most a
+quarter of its timeout (or a second) late, and a trainer polling a busy stream does not ask Redis at every read."""
 
 
 @dataclass
