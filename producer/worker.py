@@ -9,6 +9,7 @@ there admits it, later members reuse it, so fast members run ahead while slow on
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import socket
@@ -68,6 +69,24 @@ redis.call('HSET', KEYS[1], unpack(ARGV, 2))
 redis.call('PEXPIRE', KEYS[1], ARGV[1])
 return before
 """
+# KEYS: the run hash, then the streams written. ARGV: this writer's field in the run hash, then per entry: its
+# stream's position among the streams (1-based), its number of field/value items, the items.
+# Returns the writer's count after this write. For small entries, one script instead of MULTI and an XADD per
+# entry: the client packs one command and parses one reply instead of a QUEUED reply per entry (measured: 30-40%
+# less producer CPU per trajectory at 2 KB). Sent as EVAL, so a restarted Redis needs no reload.
+# No allow-oom: at maxmemory Redis refuses the whole script before it runs, and the worker backs off.
+WRITE_LUA = """#!lua
+local i, written = 2, 0
+while i <= #ARGV do
+  local n = tonumber(ARGV[i + 1])
+  redis.call('XADD', KEYS[tonumber(ARGV[i]) + 1], '*', unpack(ARGV, i + 2, i + 1 + n))
+  i, written = i + 2 + n, written + 1
+end
+return redis.call('HINCRBY', KEYS[1], ARGV[1], written)
+"""
+WRITE_SCRIPT_BYTES = 256 << 10
+"""Writes of up to this many payload bytes go as one script; larger ones as MULTI of XADDs, since Redis copies a
+script's arguments once more (measured: at 16-64 KB trajectories the script wrote 0.4-0.8x as fast)."""
 SHUTDOWN_REPORT_S = 15.0
 """How long a stopping worker spends telling the trainer which admitted episodes it abandons."""
 
@@ -358,12 +377,13 @@ class EnvWorker:
                                   step_timeout_s=self.cfg.custom_envs[spec.tag].step_timeout_s)
 
     async def publish(self, fields: dict[str, bytes | str | int | float], stream: str | None = None) -> None:
-        """XADD, counting this writer's entries in the same transaction: a count lower than the last one seen
-        means Redis lost writes it had acknowledged (RedisDataLost), instead of training on.
+        """XADD, counting this writer's entries in the same script: a count lower than the last one seen means
+        Redis lost writes it had acknowledged (RedisDataLost), instead of training on.
 
         The writes of every coroutine of this worker that publish within one event-loop tick (and while the
-        previous transaction is in flight) go out together, as one MULTI of their XADDs and one HINCRBY: one
-        round trip and one fsync for all of them. Each caller returns once its own entry is acknowledged."""
+        previous write is in flight) go out together, added and counted atomically by one script (or, past
+        WRITE_SCRIPT_BYTES, one MULTI): one round trip and one fsync for all of them. Each caller returns once its
+        own entry is acknowledged."""
         acknowledged = asyncio.get_running_loop().create_future()
         self._outbox.append((stream or self.keys.traj, fields, acknowledged))
         if self._sender is None or self._sender.done():
@@ -390,20 +410,35 @@ class EnvWorker:
                     if not acknowledged.done():  # a caller cancelled meanwhile: its entry was written all the same
                         acknowledged.set_result(None)
 
-    async def _write_batch(self, entries: list[tuple[str, dict[str, bytes | str | int | float]]]) -> None:
-        async def write() -> list[Any]:
-            async with self.client.pipeline(transaction=True) as pipe:
-                for stream, fields in entries:
-                    pipe.xadd(stream, fields)  # type: ignore[arg-type]  # str keys
-                pipe.hincrby(self.keys.run, self.writer, len(entries))
-                return await pipe.execute()
-
+    async def _write_batch(self, entries: list[Outgoing]) -> None:
         if self.writes_base is None:  # read once, before any write of this process
             self.writes_base = int(await self.client.hget(self.keys.run, self.writer) or 0)
+        small = sum(len(v) for _, fields in entries for v in fields.values() if isinstance(v, bytes | str)) \
+            <= WRITE_SCRIPT_BYTES
+        write = functools.partial(self._write_script if small else self._write_multi, entries)
         floor = self._writes_floor()  # acknowledged before this write was sent (no other write is in flight)
-        *_, written = await write_with_backoff(write, "writing a trajectory", self.cfg.redis.max_outage_s)
+        written = await write_with_backoff(write, "writing a trajectory", self.cfg.redis.max_outage_s)
         self._check_writes(int(written) - len(entries), floor)  # a retried write may count twice, never less
         self.writes += len(entries)
+
+    async def _write_script(self, entries: list[Outgoing]) -> Any:
+        """XADD every entry and count them, in one script; returns the writer's count after it."""
+        streams = list(dict.fromkeys(stream for stream, _ in entries))
+        args: list[Any] = [self.writer]
+        for stream, fields in entries:
+            args += [streams.index(stream) + 1, 2 * len(fields)]
+            for item in fields.items():
+                args += item
+        return await self.client.eval(WRITE_LUA, 1 + len(streams), self.keys.run, *streams, *args)
+
+    async def _write_multi(self, entries: list[Outgoing]) -> Any:
+        """The same as `_write_script`, as MULTI of the XADDs and the count."""
+        async with self.client.pipeline(transaction=True) as pipe:
+            for stream, fields in entries:
+                pipe.xadd(stream, fields)  # type: ignore[arg-type]  # str keys
+            pipe.hincrby(self.keys.run, self.writer, len(entries))
+            *_, written = await pipe.execute()
+        return written
 
     def _writes_floor(self) -> int:
         """The least count Redis may hold for this writer: what it had at start plus what it acknowledged since."""
@@ -414,6 +449,10 @@ class EnvWorker:
             raise RedisDataLost(f"worker {self.rank}: Redis counts {counted} entries written by this worker, but "
                                 f"it had acknowledged {floor}: it lost writes (a restart without its AOF, or an "
                                 f"AOF behind); {RESUME_HINT}")
+
+
+Outgoing = tuple[str, dict[str, bytes | str | int | float]]
+"""A stream entry waiting to be written: (stream, fields)."""
 
 
 class GroupRunner:

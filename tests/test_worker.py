@@ -14,7 +14,7 @@ from PIL import Image
 from rollstream.consumer.data.batcher import Batcher
 from rollstream.producer.episode_book import EpisodeBook
 from rollstream.producer.policy.scripted import ScriptedPolicy
-from rollstream.producer.worker import EnvWorker
+from rollstream.producer.worker import WRITE_SCRIPT_BYTES, EnvWorker
 from rollstream.shared.codec import decode_entry
 from rollstream.shared.config import RollstreamConfig
 from rollstream.shared.envs.frozen_lake import FrozenLakeEnv
@@ -161,3 +161,28 @@ def test_a_failed_episode_is_reported_once_skipped_by_the_rest_and_not_abandoned
     for member in range(3):
         book.mark_done(k, member)
     assert not book.failed(k) and book.episode(k) is None
+
+
+def test_small_and_large_writes_add_every_entry_and_count_it(tmp_path, redis_server, redis_client) -> None:
+    """Concurrent publishes go out together: small ones as one script, large ones (over WRITE_SCRIPT_BYTES in
+    all) as one MULTI. Either way every entry lands whole, in order per caller, and the writer's count agrees."""
+    cfg = _unlimited(tmp_path, "writes")
+    keys = Keys.for_exp("writes")
+
+    async def go() -> EnvWorker:
+        client = redis.asyncio.Redis.from_url(redis_server.url)
+        worker = EnvWorker(cfg, 3, client, ScriptedPolicy())
+        small = [{"kind": "traj", "payload": bytes([i]) * 100, "n": i} for i in range(40)]
+        large = [{"kind": "traj", "payload": bytes([i]) * (WRITE_SCRIPT_BYTES // 4), "n": i} for i in range(40, 50)]
+        await asyncio.gather(*(worker.publish(f) for f in small))
+        await asyncio.gather(*(worker.publish(f) for f in large))
+        await worker.publish({"kind": "other", "payload": b"x"}, stream=keys.dead)
+        await client.aclose()
+        return worker
+
+    worker = asyncio.run(go())
+    entries = [f for _, f in redis_client.xrange(keys.traj)]
+    assert [int(f[b"n"]) for f in entries] == list(range(50))
+    assert all(f[b"payload"] == bytes([int(f[b"n"])]) * len(f[b"payload"]) for f in entries)
+    assert [f[b"kind"] for _, f in redis_client.xrange(keys.dead)] == [b"other"]
+    assert int(redis_client.hget(keys.run, worker.writer)) == worker.writes == 51
