@@ -72,8 +72,8 @@ return before
 # KEYS: the run hash, then the streams written. ARGV: this writer's field in the run hash, then per entry: its
 # stream's position among the streams (1-based), its number of field/value items, the items.
 # Returns the writer's count after this write. For small entries, one script instead of MULTI and an XADD per
-# entry: the client packs one command and parses one reply instead of a QUEUED reply per entry (measured: 30-40%
-# less producer CPU per trajectory at 2 KB). Sent as EVAL, so a restarted Redis needs no reload.
+# entry: the client packs one command and parses one reply instead of a QUEUED reply per entry (measured: the
+# client's CPU per entry 70 -> 38 µs at 2 KB in writes of 8). Sent as EVAL, so a restarted Redis needs no reload.
 # No allow-oom: at maxmemory Redis refuses the whole script before it runs, and the worker backs off.
 WRITE_LUA = """#!lua
 local i, written = 2, 0
@@ -87,6 +87,8 @@ return redis.call('HINCRBY', KEYS[1], ARGV[1], written)
 WRITE_SCRIPT_BYTES = 256 << 10
 """Writes of up to this many payload bytes go as one script; larger ones as MULTI of XADDs, since Redis copies a
 script's arguments once more (measured: at 16-64 KB trajectories the script wrote 0.4-0.8x as fast)."""
+Outgoing = tuple[str, dict[str, bytes | str | int | float]]
+"""A stream entry waiting to be written: (stream, fields)."""
 SHUTDOWN_REPORT_S = 15.0
 """How long a stopping worker spends telling the trainer which admitted episodes it abandons."""
 
@@ -449,10 +451,6 @@ class EnvWorker:
             raise RedisDataLost(f"worker {self.rank}: Redis counts {counted} entries written by this worker, but "
                                 f"it had acknowledged {floor}: it lost writes (a restart without its AOF, or an "
                                 f"AOF behind); {RESUME_HINT}")
-
-
-Outgoing = tuple[str, dict[str, bytes | str | int | float]]
-"""A stream entry waiting to be written: (stream, fields)."""
 
 
 class GroupRunner:

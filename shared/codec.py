@@ -181,9 +181,9 @@ def _check_group_id(group_id: str) -> None:
 
 
 _PACKERS = threading.local()
-"""One reusable Packer per thread and purpose: `msgpack.packb` builds a new one per call, which was half the time of
-encoding a small trajectory. Per thread, since a Packer's buffer is not shared safely; the array header gets its
-own, as `_default` runs in the middle of the payload's Packer.pack."""
+"""One reusable Packer per thread and purpose: `msgpack.packb` builds a new one per call (measured: encoding a 2 KB
+trajectory 20.5 -> 19.2 µs of CPU). Per thread, since a Packer's buffer is not shared safely; the array header
+gets its own, as `_default` runs in the middle of the payload's Packer.pack."""
 
 
 def _packer(purpose: str) -> msgpack.Packer:
@@ -236,7 +236,8 @@ def _ndarray_header(data: bytes) -> tuple[Any, Any, int]:
     an Unpacker would first copy the whole array into its buffer."""
     if len(data) > 8 and data[0] == 0x92 and 0xa0 <= data[1] <= 0xbf:
         # What `_default` writes for a 1-D array, read by hand: [fixstr dtype, [length]]. The general path below
-        # raises and catches ExtraData for every array, a third of the decoding time of a small trajectory.
+        # raises and catches ExtraData for every array (measured: decoding a 2 KB trajectory 32.1 -> 28.5 µs).
+        # Malformed bytes raise here too, and `_ext_hook` turns that into a CodecError.
         end = 2 + (data[1] & 0x1f)
         if data[end] == 0x91:
             marker = data[end + 1]

@@ -93,7 +93,8 @@ def ppo_policy_loss(
 
     The ratio is clipped to [1 - clip_eps, 1 + clip_eps_high] (`clip_eps_high` None: clip_eps). A wider upper
     bound is DAPO's clip-higher (Yu et al. 2025): a token the policy rarely samples can gain more probability
-    from one positive advantage, which keeps exploration alive where the symmetric clip lets entropy collapse.
+    from one positive advantage, which DAPO found to keep exploration alive where the symmetric clip let entropy
+    collapse. It only matters where the clip is active (`actor/clip_frac`).
 
     The clip alone bounds the objective only on one side: for A < 0 the pessimistic max picks -A * ratio, which
     grows without bound when the current policy puts far more mass on a token than `old` did. That is exactly
