@@ -1,11 +1,13 @@
 """The main job run N times with different seeds: what a user sees is the distribution, not one draw.
 
-    .venv/bin/python benchmarks/learning_runs.py --runs 3 [--config configs/frozen_lake.yaml] [key=value ...]
+    .venv/bin/python benchmarks/learning_runs.py --runs 3 [--config configs/frozen_lake.yaml]
+        [--stop-after-minutes M] [key=value ...]
 
 Each run is `rollstream run CONFIG seed=S` in its own output dir, with its own embedded Redis; the seed also
 builds its own tiny model (tokenizer, initial weights and format warm start), so runs differ the way two users'
 runs differ. Runs go one after another: they would compete for the cores otherwise. `--report-only` runs nothing
-and reports the runs already in the output dirs. From each run's
+and reports the runs already in the output dirs; `--stop-after-minutes M` ends each run (SIGTERM, the launcher's
+graceful stop) M minutes after its trainer started, and then its "end" is that stop. From each run's
 `metrics.jsonl` (wall-clock minutes since the trainer started beside every logged metric) it takes held-out
 success, greedy (`val/success`) and sampled (`val_sampled/success`), as the last validation round logged by 5, 10
 and 15 minutes and at the end, its peak (and when) and the lowest value after the peak (a run that learned and
@@ -22,6 +24,7 @@ import argparse
 import csv
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -75,20 +78,40 @@ class Run:
         return last
 
 
-def run_once(config: Path, seed: int, out_root: Path, overrides: list[str]) -> Run:
+def run_once(config: Path, seed: int, out_root: Path, overrides: list[str], stop_minutes: float | None) -> Run:
     out = out_root / f"seed{seed}"
     cmd = [sys.executable, "-m", "rollstream", "run", str(config), f"seed={seed}", f"output_dir={out}",
            "wandb_mode=disabled", *overrides]
     print(f"--- run seed={seed}: {' '.join(cmd[2:])}", flush=True)
     launched = time.time()
     env = {k: v for k, v in os.environ.items() if k != "ROLLSTREAM_REDIS_URL"}  # each run its own embedded Redis
-    code = subprocess.call(cmd, env=env)
-    if code != 0:
-        raise SystemExit(f"run with seed {seed} exited with code {code}; its logs are under {out}/logs")
+    child = subprocess.Popen(cmd, env=env)
+    stopped = False
+    while child.poll() is None:
+        time.sleep(5)
+        if stop_minutes is not None and not stopped and trainer_minutes(out) >= stop_minutes:
+            print(f"--- seed={seed}: {stop_minutes} min into the run, stopping it (SIGTERM)", flush=True)
+            child.send_signal(signal.SIGTERM)  # the launcher's graceful stop: producers, trainer, Redis
+            stopped = True
+    if child.returncode != 0 and not stopped:
+        raise SystemExit(f"run with seed {seed} exited with code {child.returncode}; its logs are under {out}/logs")
     run = load_run(out, seed)
     first = run.records[0]
     run.build_s = first["time"] - 60 * first["minutes"] - launched
     return run
+
+
+def trainer_minutes(out: Path) -> float:
+    """Minutes since the trainer started, from the last record of the run's metrics (0 before the first)."""
+    try:
+        lines = (out / RECORD).read_text().splitlines()
+    except FileNotFoundError:
+        return 0.0
+    last = next((line for line in reversed(lines) if line.strip()), None)
+    try:
+        return float(json.loads(last)["minutes"]) if last else 0.0
+    except (ValueError, KeyError):  # a line being written as we read
+        return 0.0
 
 
 def load_run(out: Path, seed: int) -> Run:
@@ -163,6 +186,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=REPO / "output" / "learning_runs")
     parser.add_argument("--report-only", action="store_true",
                         help="run nothing: report the runs already in the output dirs (e.g. after a cut-off sweep)")
+    parser.add_argument("--stop-after-minutes", type=float, default=None, metavar="M",
+                        help="stop each run M minutes after its trainer started (e.g. 16 for the 15-minute figure)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides for every run")
     args = parser.parse_args()
     seeds = args.seeds or list(range(1, args.runs + 1))
@@ -172,7 +197,7 @@ def main() -> None:
     if args.report_only:
         runs = [load_run(out_root / f"seed{seed}", seed) for seed in seeds]
     else:
-        runs = [run_once(args.config, seed, out_root, args.overrides) for seed in seeds]
+        runs = [run_once(args.config, seed, out_root, args.overrides, args.stop_after_minutes) for seed in seeds]
 
     RESULTS.mkdir(parents=True, exist_ok=True)
     stem = RESULTS / f"learning_runs-{cfg.exp_name}"

@@ -399,9 +399,11 @@ class RollstreamConfig:
     """Clip advantages to [-adv_clip, adv_clip] after whitening; unset: no clipping."""
     gigpo_step_weight: Annotated[float, Field(ge=0.0)] = 1.0
     """gigpo: omega in A = A_episode + omega * A_step."""
-    skip_zero_advantage: bool = False
-    """Leave out of the update the trajectories whose advantages are all zero (their group scored alike): no
-    gradient, only trainer time. Needs init_kl_coef 0, entropy_loss_coef 0 and whiten_advantages false."""
+    skip_zero_advantage: bool = True
+    """Run no forward or backward on trajectories whose advantages are all zero (their group scored alike): their
+    gradient is exactly zero, so the update is the same (mini-batches and the loss's token mean still count
+    them), only faster. Has no effect beside a KL penalty or an entropy bonus, which give every row a gradient;
+    false computes every row (to compare)."""
     old_logprobs: OldLogprobs = "engine"
     """PPO ratio anchor: engine (the behaviour policy's logprobs) or recompute (trainer weights before the step)."""
     is_ratio_cap: Annotated[float, Field(gt=1.0)] = 3.0

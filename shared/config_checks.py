@@ -105,7 +105,6 @@ def check_config(cfg: RollstreamConfig) -> list[str]:
     _check_custom_envs(cfg)
     cfg.train_layout  # noqa: B018 - planning the layouts checks them, once
     cfg.val_layout  # noqa: B018
-    _check_skip_zero_advantage(cfg)
     if cfg.eval_steps and cfg.val_env_manager.group_size != 1:
         raise ConfigError(f"val_env_manager.group_size={cfg.val_env_manager.group_size}: validation runs at "
                           "temperature 0, so every member of a group would play the same; use 1")
@@ -123,18 +122,6 @@ def _device_notices(cfg: RollstreamConfig) -> list[str]:
                 f"GPUs and trains on the first; for {len(mapping)} ranks launch `rollstream trainer` with torchrun "
                 "or deepspeed (deepspeed_train)"]
     return []
-
-
-def _check_skip_zero_advantage(cfg: RollstreamConfig) -> None:
-    """A row with zero advantages still has a gradient where another term of the loss or whitening touches it."""
-    if not cfg.skip_zero_advantage:
-        return
-    others = {"init_kl_coef": cfg.init_kl_coef, "entropy_loss_coef": cfg.entropy_loss_coef,
-              "whiten_advantages": cfg.whiten_advantages}
-    for key, value in others.items():
-        if value:
-            raise ConfigError(f"skip_zero_advantage=true with {key}={value}: a trajectory with zero advantages "
-                              f"still gets a gradient from {key}; set {key} to 0/false or skip_zero_advantage=false")
 
 
 def _check_batches(cfg: RollstreamConfig) -> None:

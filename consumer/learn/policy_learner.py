@@ -87,6 +87,13 @@ class UpdateSettings:
     `microbatch_rows`."""
     clip_eps_high: float | None = None
     """PPO clip range above 1 (`pg_clip_high` with `use_pg_clip_range`); None: the same as `clip_eps`."""
+    skip_zero_advantage: bool = False
+    """Run no forward or backward on rows whose gradient is exactly zero (see `rows_with_gradient`)."""
+
+    @property
+    def zero_advantage_rows_have_no_gradient(self) -> bool:
+        """A KL penalty or an entropy bonus gives every row a gradient, whatever its advantage."""
+        return self.kl_coef == 0 and self.entropy_coef == 0
 
     def __post_init__(self) -> None:
         if self.old_logprobs not in OLD_LOGPROB_SOURCES:
@@ -98,7 +105,7 @@ class UpdateSettings:
         low, high = cfg.pg_clip_range
         return cls(low, cfg.is_ratio_cap, cfg.old_logprobs, cfg.init_kl_coef, cfg.entropy_loss_coef,
                    cfg.ppo_epochs, minibatch_size(cfg), args.per_device_train_batch_size,
-                   args.max_tokens_per_microbatch, cfg.actor_train.infer_batch_size, high)
+                   args.max_tokens_per_microbatch, cfg.actor_train.infer_batch_size, high, cfg.skip_zero_advantage)
 
 
 def advantage_settings(cfg: RollstreamConfig) -> AdvantageSettings:
@@ -130,11 +137,9 @@ class PolicyLearner:
         tokens = build_token_batch(trajs, advantages, whiten=self.cfg.whiten_advantages, clip=self.cfg.adv_clip)
         check_trainable(tokens, batch.step)
         metrics = advantage_stats(tokens)
-        if self.cfg.skip_zero_advantage:
-            tokens, metrics["actor/zero_adv_rows"] = without_zero_advantage_rows(tokens)
+        metrics["actor/zero_adv_rows"] = float(tokens.num_rows - int(rows_with_gradient(tokens).sum()))
         metrics["time/advantages_s"] = time.monotonic() - start
-        if tokens.num_rows:
-            metrics |= self.update(tokens)
+        metrics |= self.update(tokens)
         self.steps_done += 1
         return metrics
 
@@ -182,15 +187,12 @@ def check_trainable(tokens: TokenBatch, step: int) -> None:
                          "not record logprobs; the importance ratio needs them")
 
 
-def without_zero_advantage_rows(tokens: TokenBatch) -> tuple[TokenBatch, int]:
-    """The rows with a non-zero advantage on some response token, and how many were left out.
+def rows_with_gradient(tokens: TokenBatch) -> torch.Tensor:
+    """Which rows have a non-zero advantage on some response token, as a (B,) bool tensor.
 
-    With no KL penalty and no entropy bonus, a row whose advantages are all zero has a zero policy gradient: its
-    forward and backward passes cost trainer time and teach nothing (a group whose members all scored the same).
-    Left out, the update's token mean is over the rows that carry a signal (as DAPO trains on such groups only)."""
-    signal = ((tokens.advantages != 0) & (tokens.response_mask > 0)).any(dim=1)
-    keep = torch.nonzero(signal).flatten()
-    return (tokens if len(keep) == tokens.num_rows else tokens.rows(keep)), tokens.num_rows - len(keep)
+    The policy-gradient term of every other row is exactly zero (a group whose members all scored the same), so
+    without a KL penalty or an entropy bonus its forward and backward passes add nothing to the gradient."""
+    return ((tokens.advantages != 0) & (tokens.response_mask > 0)).any(dim=1)
 
 
 def load_reference(cfg: RollstreamConfig, device: torch.device) -> Forward:
@@ -352,9 +354,11 @@ def ppo_update(strategy: TrainStrategy, tokens: TokenBatch, settings: UpdateSett
 def plan_update(tokens: TokenBatch, settings: UpdateSettings, generator: torch.Generator,
                 world_size: int) -> list[Shard]:
     """Every rank's shard of one update: `settings.minibatch_size` rows per optimizer step over all ranks."""
+    skip = settings.skip_zero_advantage and settings.zero_advantage_rows_have_no_gradient
     return plan_shards(tokens, world_size, epochs=settings.ppo_epochs, minibatch_size=settings.minibatch_size,
                        generator=generator, max_tokens=settings.max_tokens_per_microbatch,
-                       max_rows=settings.microbatch_rows, logprob_rows=settings.logprob_rows)
+                       max_rows=settings.microbatch_rows, logprob_rows=settings.logprob_rows,
+                       trained=rows_with_gradient(tokens) if skip else None)
 
 
 def run_shard(strategy: TrainStrategy, shard: Shard, settings: UpdateSettings,

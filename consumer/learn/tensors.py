@@ -192,28 +192,34 @@ class Shard:
 
 def plan_shards(tokens: TokenBatch, world_size: int, *, epochs: int, minibatch_size: int,
                 generator: torch.Generator, max_tokens: int, max_rows: int,
-                logprob_rows: int | None = None) -> list[Shard]:
+                logprob_rows: int | None = None, trained: torch.Tensor | None = None) -> list[Shard]:
     """The whole update of one train step, split over `world_size` ranks.
 
     Mini-batches are drawn from the whole batch exactly as in one process (same generator draws), then each is
     split over the ranks balanced by tokens, so the ranks together take the same optimizer steps on the same
     rows as one process would. A mini-batch without response tokens is no step (as in one process).
+
+    `trained` (a (B,) bool mask) leaves the other rows out of every forward and backward, for rows whose gradient
+    is known to be zero: mini-batches, their token counts (the loss's denominator) and the optimizer steps stay
+    those of the whole batch, so the update is the same, only cheaper. A mini-batch with no trained row is still
+    a step (one zero-weight backward gives every parameter its zero gradient), as Adam would take it.
     """
     lengths = tokens.lengths.tolist()
     assigned: list[set[int]] = [set() for _ in range(world_size)]
     global_steps: list[tuple[list[list[torch.Tensor]], float]] = []
     for _epoch in range(epochs):
         for minibatch in minibatch_indices(tokens.num_rows, minibatch_size, generator):
-            parts = split_balanced(lengths, minibatch, world_size)
+            normalizer = float(tokens.response_mask[minibatch].sum())
+            run = minibatch if trained is None else minibatch[trained[minibatch]]
+            parts = split_balanced(lengths, run, world_size)
             for rank, part in enumerate(parts):
                 assigned[rank].update(part.tolist())
-            normalizer = float(tokens.response_mask[minibatch].sum())
             if normalizer == 0:
                 continue  # nothing generated in these rows: no gradient, no step
             micro = [microbatch_indices(lengths, part, max_tokens=max_tokens, max_rows=max_rows) if len(part) else []
                      for part in parts]
             global_steps.append((micro, normalizer))
-    rows = [sorted(a) for a in assigned]  # every epoch deals every row: one process gets them all
+    rows = [sorted(a) for a in assigned]  # every epoch deals every (trained) row: one process gets them all
     # The frozen (no-grad) forwards keep no activations for backward: `logprob_rows` (ROLL's infer_batch_size)
     # sizes them by rows alone; unset, they are cut like the training micro-batches.
     logprob_micro = [microbatch_indices(lengths, torch.tensor(r, dtype=torch.long),
@@ -222,12 +228,13 @@ def plan_shards(tokens: TokenBatch, world_size: int, *, epochs: int, minibatch_s
     num_logprob = max(len(m) for m in logprob_micro)
     shards = []
     for rank in range(world_size):
-        local = {row: i for i, row in enumerate(rows[rank])}
+        # A rank's shard holds its rows only; one process keeps the whole batch (rows left out stay in place)
+        local = {row: row if world_size == 1 else i for i, row in enumerate(rows[rank])}
 
         def to_local(index: torch.Tensor, local: dict[int, int] = local) -> torch.Tensor:
             return torch.tensor([local[r] for r in index.tolist()], dtype=torch.long)
 
-        steps = [StepPlan([to_local(m) for m in micro[rank]], max(len(m) for m in micro), normalizer)
+        steps = [StepPlan([to_local(m) for m in micro[rank]], max(1, *(len(m) for m in micro)), normalizer)
                  for micro, normalizer in global_steps]
         shard_tokens = tokens if world_size == 1 else tokens.rows(rows[rank])
         shards.append(Shard(shard_tokens, steps, [to_local(m) for m in logprob_micro[rank]], num_logprob))
