@@ -62,7 +62,7 @@ def common(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path,
     backward and, at stage 3, gathers in forward: a rank that ran fewer would hang the others). Found by trying
     them: row lengths depend on the tokenizer the env corpus trained."""
     trajs = [t for g in groups for t in g]
-    tokens = build_token_batch(trajs, [0.0] * len(trajs))
+    tokens = build_token_batch(trajs, [1.0] * len(trajs))  # every row trained: none is skipped for zero advantage
     lengths = tokens.lengths.tolist()
     tmp = tmp_path_factory.mktemp("budget")
     for seed, budget in itertools.product(range(10), range(max(lengths), 3 * max(lengths))):
