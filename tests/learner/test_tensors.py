@@ -95,3 +95,23 @@ def test_ranks_with_fewer_microbatches_are_padded_to_the_most() -> None:
     assert step0.num_microbatches == step1.num_microbatches == 2  # rank 0 runs one zero-weight backward
     assert step0.normalizer == step1.normalizer == one.steps[0].normalizer == 8.0  # the whole mini-batch's tokens
     assert rank0.num_logprob_microbatches == rank1.num_logprob_microbatches == 2
+
+
+def test_skipped_rows_keep_the_steps_and_their_token_counts() -> None:
+    """Rows left out (zero gradient) run no forward or backward, but every mini-batch stays a step with the whole
+    mini-batch's token count; a rank (or a step) left with nothing runs one zero-weight backward."""
+    tokens = synthetic_batch([30, 10, 10, 10, 20, 20])
+    trained = torch.tensor([True, False, False, False, False, False])
+    plan = {"epochs": 2, "minibatch_size": 2, "max_tokens": 40, "max_rows": 99}
+    full, = plan_shards(tokens, 1, generator=torch.Generator().manual_seed(0), **plan)
+    one, = plan_shards(tokens, 1, generator=torch.Generator().manual_seed(0), trained=trained, **plan)
+    ranks = plan_shards(tokens, 2, generator=torch.Generator().manual_seed(0), trained=trained, **plan)
+    assert [s.normalizer for s in one.steps] == [s.normalizer for s in full.steps] \
+        == [s.normalizer for s in ranks[0].steps] == [s.normalizer for s in ranks[1].steps]
+    assert len(one.steps) == 6 and all(s.num_microbatches >= 1 for s in one.steps)
+    computed = [int(r) for s in one.steps for m in s.microbatches for r in m]
+    assert computed == [0, 0]  # the trained row, once per epoch, by its index in the whole batch
+    assert one.tokens is tokens and [m.tolist() for m in one.logprob_microbatches] == [[0]]
+    assert sorted(r.tokens.num_rows for r in ranks) == [0, 1]
+    for step0, step1 in zip(ranks[0].steps, ranks[1].steps):
+        assert step0.num_microbatches == step1.num_microbatches >= 1
