@@ -82,10 +82,8 @@ def run_trainer(cfg: RollstreamConfig, client: redis.Redis, *, consumer: str = "
             if cfg.weights_transport == "redis":
                 prune_redis_versions(client, batcher.keys, loaded, step + 1)
             timer.lap("prune")
-            if recorder:
-                for traj in batch.trajectories:
-                    recorder.write(encode_trajectory(traj))
-                recorder.flush()
+            if recorder:  # the batch in one write: a kill -9 between entries would record part of a group
+                recorder.write_all([encode_trajectory(traj) for traj in batch.trajectories])
             counts = batcher.ledger.counters()
             stats |= rollout_stats(batch.trajectories, step, cfg.async_generation_ratio)
             stats |= {"time/wait_s": batch.wait_s} | timer.seconds()
