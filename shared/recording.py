@@ -37,18 +37,19 @@ class Recorder:
         self.count = 0
 
     def write(self, fields: Fields) -> None:
-        record = {_as_bytes(k): v for k, v in fields.items()}
-        self._file.write(self._packer.pack(record))
+        self._file.write(self._pack(fields))
         self.count += 1
 
     def write_all(self, entries: list[Fields]) -> None:
         """Append `entries` in one write and flush, so a writer killed between two entries cannot leave a group
         half recorded (as a write per entry through the 8 KB buffer could); only a kill inside that one write
         call can, and the next open cuts the torn record at the tail."""
-        blob = b"".join(self._packer.pack({_as_bytes(k): v for k, v in fields.items()}) for fields in entries)
-        self._file.write(blob)
+        self._file.write(b"".join(self._pack(fields) for fields in entries))
         self._file.flush()
         self.count += len(entries)
+
+    def _pack(self, fields: Fields) -> bytes:
+        return self._packer.pack({_as_bytes(k): v for k, v in fields.items()})
 
     def flush(self) -> None:
         self._file.flush()
