@@ -1,7 +1,7 @@
 """The main job run N times with different seeds: what a user sees is the distribution, not one draw.
 
     .venv/bin/python benchmarks/learning_runs.py --runs 3 [--config configs/frozen_lake.yaml]
-        [--stop-after-minutes M] [key=value ...]
+        [--stop-after-minutes M] [--minutes 5 10 15] [key=value ...]
 
 Each run is `rollstream run CONFIG seed=S` in its own output dir, with its own embedded Redis; the seed also
 builds its own tiny model (tokenizer, initial weights and format warm start), so runs differ the way two users'
@@ -29,6 +29,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,6 +39,7 @@ from rollstream.shared.config import load_config
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
 MINUTES = (5, 10, 15)
+"""The default wall-clock marks of the table (`--minutes`: e.g. 10 20 30 for a 30-minute env)."""
 CURVES = {"greedy": "val/success", "sampled": "val_sampled/success"}
 
 
@@ -119,7 +121,7 @@ def load_run(out: Path, seed: int) -> Run:
     return Run(seed, None, records)
 
 
-def summary_rows(runs: list[Run]) -> list[list[str]]:
+def summary_rows(runs: list[Run], marks: Sequence[float] = MINUTES) -> list[list[str]]:
     def spread(values: list[float | None]) -> str:
         present = [v for v in values if v is not None]
         if not present:
@@ -127,23 +129,23 @@ def summary_rows(runs: list[Run]) -> list[list[str]]:
         return f"{min(present):.2f} / {statistics.median(present):.2f} / {max(present):.2f}"
 
     rows = []
-    for minutes in (*MINUTES, None):
-        label = f"{minutes} min" if minutes else "end"
+    for minutes in (*marks, None):
+        label = f"{minutes:g} min" if minutes else "end"
         rows.append([label, *(spread([r.at(key, minutes) for r in runs]) for key in CURVES.values())])
     rows.append(["peak", *(spread([p[0] if (p := r.peak(key)) else None for r in runs]) for key in CURVES.values())])
     rows.append(["lowest after the peak", *(spread([r.low_after_peak(key) for r in runs]) for key in CURVES.values())])
     return rows
 
 
-def write_csv(path: Path, env_name: str, runs: list[Run]) -> None:
+def write_csv(path: Path, env_name: str, runs: list[Run], marks: Sequence[float] = MINUTES) -> None:
     columns = ["env", "seed", "build_s", "steps", "run_minutes"]
-    columns += [f"{name}_success_{m}min" for m in MINUTES for name in CURVES] + [f"{n}_success_end" for n in CURVES]
+    columns += [f"{name}_success_{m:g}min" for m in marks for name in CURVES] + [f"{n}_success_end" for n in CURVES]
     columns += [f"{n}_{what}" for n in CURVES for what in ("success_peak", "peak_minutes", "success_after_peak_min")]
     with path.open("w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(columns)
         for r in runs:
-            figures = [r.at(key, m) for m in MINUTES for key in CURVES.values()]
+            figures = [r.at(key, m) for m in marks for key in CURVES.values()]
             figures += [r.at(key, None) for key in CURVES.values()]
             for key in CURVES.values():
                 peak = r.peak(key)
@@ -188,6 +190,8 @@ def main() -> None:
                         help="run nothing: report the runs already in the output dirs (e.g. after a cut-off sweep)")
     parser.add_argument("--stop-after-minutes", type=float, default=None, metavar="M",
                         help="stop each run M minutes after its trainer started (e.g. 16 for the 15-minute figure)")
+    parser.add_argument("--minutes", type=float, nargs="+", default=list(MINUTES), metavar="M",
+                        help="wall-clock marks of the table and the CSV (default: 5 10 15)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides for every run")
     args = parser.parse_args()
     seeds = args.seeds or list(range(1, args.runs + 1))
@@ -201,11 +205,11 @@ def main() -> None:
 
     RESULTS.mkdir(parents=True, exist_ok=True)
     stem = RESULTS / f"learning_runs-{cfg.exp_name}"
-    write_csv(stem.with_suffix(".csv"), env_name, runs)
+    write_csv(stem.with_suffix(".csv"), env_name, runs, args.minutes)
     plot(stem.with_suffix(".png"), runs, f"{cfg.exp_name}: {len(runs)} runs (seeds {', '.join(map(str, seeds))})")
     print(f"\n{cfg.exp_name} ({env_name}), {len(runs)} runs, seeds {seeds}; held-out success, min / median / max")
     print("| minutes into the run | greedy | sampled |\n|---|---|---|")
-    for row in summary_rows(runs):
+    for row in summary_rows(runs, args.minutes):
         print("| " + " | ".join(row) + " |")
     builds = [r.build_s for r in runs if r.build_s is not None]
     if builds:

@@ -47,7 +47,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         # supervisord counts an exit within startsecs as a failed start even with exit code 0; a producer
         # that finds the experiment finished must end as EXITED, not as FATAL after retries.
         time.sleep(max(0.0, args.min_uptime - _process_age(time.monotonic() - started)))
+    if args.func is _trainer and _rank_of_a_launch():
+        _leave_rank(code)
     return code
+
+
+def _rank_of_a_launch() -> bool:
+    from rollstream.consumer.learn.strategy import launched_world_size
+
+    return launched_world_size() > 1
+
+
+def _leave_rank(code: int) -> None:
+    """End a rank of a multi-rank trainer whose work is done and whose process group is destroyed, skipping the
+    interpreter's teardown: there gloo's and the TCPStore's C++ threads can still abort a finished rank
+    ("terminate called without an active exception", SIGABRT, so the launcher reports a failure; seen once in
+    a full test run, after `end_rank`)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _process_age(fallback: float) -> float:
