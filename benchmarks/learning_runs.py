@@ -121,6 +121,15 @@ def load_run(out: Path, seed: int) -> Run:
     return Run(seed, None, records)
 
 
+def references(runs: list[Run]) -> dict[str, float]:
+    """The reference policies' success on the first run's held-out maps (each seed validates on its own maps), and
+    those the first run did not log (a reference added since) from the next run that did."""
+    found: dict[str, float] = {}
+    for run in reversed(runs):
+        found |= run.references()
+    return found
+
+
 def summary_rows(runs: list[Run], marks: Sequence[float] = MINUTES) -> list[list[str]]:
     def spread(values: list[float | None]) -> str:
         present = [v for v in values if v is not None]
@@ -168,7 +177,7 @@ def plot(path: Path, runs: list[Run], title: str) -> None:
             points = run.curve(key)
             if points:
                 ax.plot(*zip(*points), color=f"C{i}", marker=".", label=f"seed {run.seed}")
-        for j, (ref, value) in enumerate(sorted(runs[0].references().items())):
+        for j, (ref, value) in enumerate(sorted(references(runs).items())):
             ax.axhline(value, linestyle="--", linewidth=0.8, color="gray", alpha=0.4 + 0.2 * j, label=ref)
         ax.set_title(f"held-out success, {name}")
         ax.set_xlabel("minutes since the trainer started")
@@ -215,7 +224,7 @@ def main() -> None:
     if builds:
         print(f"launch to first metric (model build, engine start, first validation): {min(builds):.0f}-"
               f"{max(builds):.0f} s")
-    for name, value in sorted(runs[0].references().items()):
+    for name, value in sorted(references(runs).items()):
         print(f"reference {name}: {value:.3f}")
     print(f"wrote {stem}.csv and {stem}.png")
 

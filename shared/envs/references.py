@@ -1,7 +1,8 @@
 """Reference policies on the same held-out maps the model is validated on, so its success has a yardstick.
 
 uniformly random valid actions; random Right/Down only (FrozenLake: the map-independent bias a policy
-learns first); the optimal plan (BFS; FrozenLake without slip, Sokoban). Pure: envs and numbers only.
+learns first); a greedy player that reads the room but does not plan (Sokoban); the optimal plan (BFS;
+FrozenLake without slip, Sokoban). Pure: envs and numbers only.
 """
 
 from __future__ import annotations
@@ -12,10 +13,10 @@ import numpy as np
 
 from rollstream.shared.envs.base import TextEnv
 from rollstream.shared.envs.frozen_lake import FrozenLakeEnv, optimal_actions
-from rollstream.shared.envs.sokoban import SokobanEnv, solve
+from rollstream.shared.envs.sokoban import SokobanEnv, greedy_actions, solve
 from rollstream.shared.envs.text import format_reply
 
-REFERENCES = ("random", "right_down", "optimal")
+REFERENCES = ("random", "right_down", "greedy", "optimal")
 
 
 def reference_success(make: Callable[[], TextEnv], seeds: Sequence[int], reference: str,
@@ -43,6 +44,8 @@ def _plan(env: TextEnv, reference: str, rng: np.random.Generator) -> list[str] |
         if not isinstance(env, FrozenLakeEnv):
             return None
         return [("Right", "Down")[i] for i in rng.integers(2, size=n)]
+    if reference == "greedy":
+        return greedy_actions(env.room, n, rng) if isinstance(env, SokobanEnv) else None
     if reference == "optimal":
         if isinstance(env, FrozenLakeEnv) and not env.is_slippery:
             return optimal_actions(env.desc)

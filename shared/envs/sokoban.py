@@ -268,6 +268,28 @@ def solve(room: Room, max_states: int = 200_000) -> list[str] | None:
 # ---- the env ----
 
 
+def greedy_actions(room: Room, steps: int, rng: np.random.Generator) -> list[str]:
+    """A myopic player that reads the room but does not plan: each move is one that brings the boxes nearest their
+    targets (summed distance of each box off target to its nearest target), then the player nearest a box off
+    target; moves that change nothing are left out while another exists, ties are broken at random. It solves a
+    room where the box can be walked and pushed straight in, and gets stuck where a detour is needed."""
+
+    def score(after: Room) -> tuple[int, int]:
+        loose = after.boxes - after.targets
+        boxes = sum(min(_distance(box, t) for t in after.targets) for box in loose)
+        player = min((_distance(after.player, box) for box in loose), default=0)
+        return boxes, player
+
+    actions: list[str] = []
+    while len(actions) < steps and not room.solved:
+        options = {a: after for a in ACTIONS if (after := move(room, a)) != room} or {a: room for a in ACTIONS}
+        best = min(score(after) for after in options.values())
+        choice = str(rng.choice([a for a, after in options.items() if score(after) == best]))
+        actions.append(choice)
+        room = options[choice]
+    return actions
+
+
 def _check_vocab(grid_vocab: Mapping[str, str] | None) -> dict[str, str]:
     vocab = dict(DEFAULT_VOCAB)
     for kind, symbol in (grid_vocab or {}).items():

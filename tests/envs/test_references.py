@@ -15,3 +15,11 @@ def test_sokoban_has_no_right_down_reference_and_its_plan_solves() -> None:
     make = lambda: SokobanEnv(max_actions_per_traj=20)  # noqa: E731
     assert reference_success(make, [1, 2], "right_down") is None
     assert reference_success(make, [1, 2, 3], "optimal") == 1.0
+
+
+def test_sokoban_greedy_reads_the_room_and_falls_short_of_planning() -> None:
+    seeds = list(range(40))
+    make = lambda: SokobanEnv(dim_room=(6, 6), num_boxes=1, max_actions_per_traj=10)  # noqa: E731
+    random, greedy, optimal = (reference_success(make, seeds, r) for r in ("random", "greedy", "optimal"))
+    assert random < greedy < optimal
+    assert reference_success(lambda: FrozenLakeEnv(max_actions_per_traj=10), [1], "greedy") is None
