@@ -15,7 +15,7 @@ then collapsed shows there), and writes:
 - a table on stdout: min / median / max over runs at each of those times, of the peak and of the low after it;
 - `benchmarks/results/learning_runs-<exp>.csv`: one row per run (env, seed, build seconds, the figures above);
 - `benchmarks/results/learning_runs-<exp>.png`: every run's held-out curves on a wall-clock axis, with the
-  reference policies on the same maps drawn as dashed lines.
+  reference policies on the first seed's held-out maps drawn as dashed lines (computed here, as validation does).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rollstream.consumer.metrics import RECORD
+from rollstream.consumer.validation import reference_stats
 from rollstream.shared.config import load_config
 
 REPO = Path(__file__).resolve().parent.parent
@@ -73,11 +74,6 @@ class Run:
         after = [v for m, v in self.curve(key) if peak and m > peak[1]]
         return min(after) if after else None
 
-    def references(self) -> dict[str, float]:
-        last: dict[str, float] = {}
-        for record in self.records:
-            last |= {k.removeprefix("val/"): v for k, v in record.items() if k.startswith("val/") and "/ref_" in k}
-        return last
 
 
 def run_once(config: Path, seed: int, out_root: Path, overrides: list[str], stop_minutes: float | None) -> Run:
@@ -121,13 +117,9 @@ def load_run(out: Path, seed: int) -> Run:
     return Run(seed, None, records)
 
 
-def references(runs: list[Run]) -> dict[str, float]:
-    """The reference policies' success on the first run's held-out maps (each seed validates on its own maps), and
-    those the first run did not log (a reference added since) from the next run that did."""
-    found: dict[str, float] = {}
-    for run in reversed(runs):
-        found |= run.references()
-    return found
+def references(config: Path, seed: int, overrides: list[str]) -> dict[str, float]:
+    """The reference policies' success on the held-out maps that `seed` validates on (each seed has its own)."""
+    return reference_stats(load_config(config, [*overrides, f"seed={seed}"]))
 
 
 def summary_rows(runs: list[Run], marks: Sequence[float] = MINUTES) -> list[list[str]]:
@@ -165,7 +157,7 @@ def write_csv(path: Path, env_name: str, runs: list[Run], marks: Sequence[float]
                              *("" if v is None else round(v, 4) for v in figures)])
 
 
-def plot(path: Path, runs: list[Run], title: str) -> None:
+def plot(path: Path, runs: list[Run], refs: dict[str, float], title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -177,7 +169,7 @@ def plot(path: Path, runs: list[Run], title: str) -> None:
             points = run.curve(key)
             if points:
                 ax.plot(*zip(*points), color=f"C{i}", marker=".", label=f"seed {run.seed}")
-        for j, (ref, value) in enumerate(sorted(references(runs).items())):
+        for j, (ref, value) in enumerate(sorted(refs.items())):
             ax.axhline(value, linestyle="--", linewidth=0.8, color="gray", alpha=0.4 + 0.2 * j, label=ref)
         ax.set_title(f"held-out success, {name}")
         ax.set_xlabel("minutes since the trainer started")
@@ -215,7 +207,8 @@ def main() -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     stem = RESULTS / f"learning_runs-{cfg.exp_name}"
     write_csv(stem.with_suffix(".csv"), env_name, runs, args.minutes)
-    plot(stem.with_suffix(".png"), runs, f"{cfg.exp_name}: {len(runs)} runs (seeds {', '.join(map(str, seeds))})")
+    refs = references(args.config, seeds[0], args.overrides)
+    plot(stem.with_suffix(".png"), runs, refs, f"{cfg.exp_name}: {len(runs)} runs (seeds {', '.join(map(str, seeds))})")
     print(f"\n{cfg.exp_name} ({env_name}), {len(runs)} runs, seeds {seeds}; held-out success, min / median / max")
     print("| minutes into the run | greedy | sampled |\n|---|---|---|")
     for row in summary_rows(runs, args.minutes):
@@ -224,8 +217,8 @@ def main() -> None:
     if builds:
         print(f"launch to first metric (model build, engine start, first validation): {min(builds):.0f}-"
               f"{max(builds):.0f} s")
-    for name, value in sorted(references(runs).items()):
-        print(f"reference {name}: {value:.3f}")
+    for name, value in sorted(refs.items()):
+        print(f"reference {name}: {value:.3f} (seed {seeds[0]}'s held-out maps)")
     print(f"wrote {stem}.csv and {stem}.png")
 
 

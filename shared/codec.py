@@ -96,24 +96,34 @@ def decode_entry(fields: Fields) -> Trajectory | GroupDropNotice:
 
 
 def _trajectory_from(body: dict[str, Any]) -> Trajectory:
-    missing = [n for n in (*_TRAJ_FIELDS, "turns", *_ARRAY_FIELDS) if n not in body]
-    if missing:
-        raise CodecError(f"traj payload lacks {', '.join(missing)}")
-    for name, kind in _TRAJ_TYPES.items():
-        _check(body[name], kind, name)
-    _check_group_id(body["group_id"])
-    if not isinstance(body["turns"], list):
-        raise CodecError(f"turns is a {type(body['turns']).__name__}, expected a list")
-    turns = [_turn_from(row, i) for i, row in enumerate(body["turns"])]
-    arrays: dict[str, Any] = {}
-    for name, dtype in _ARRAY_FIELDS.items():
-        value = body[name]
-        if not isinstance(value, np.ndarray) or value.dtype != dtype or value.ndim != 1:
-            raise CodecError(f"{name} must be a one-dimensional {np.dtype(dtype).name} array")
-        arrays[name] = value
-    if not len(arrays["input_ids"]) == len(arrays["response_mask"]) == len(arrays["logprobs"]):
+    try:
+        (traj_id, group_id, mode, tag, group_index, episode, member, seed, score, success, end_reason, worker_rank,
+         created_at) = (body[name] for name in _TRAJ_FIELDS)
+        rows, input_ids, response_mask, logprobs = body["turns"], body["input_ids"], body["response_mask"], \
+            body["logprobs"]
+    except KeyError:
+        missing = [n for n in (*_TRAJ_FIELDS, "turns", *_ARRAY_FIELDS) if n not in body]
+        raise CodecError(f"traj payload lacks {', '.join(missing)}") from None
+    # _TRAJ_TYPES's rules inlined, as in _turn_from: the trainer checks every trajectory it reads. One that fails
+    # them goes the slow way, which names the bad field.
+    if not (type(traj_id) is str and type(group_id) is str and type(mode) is str and type(tag) is str
+            and type(group_index) is int and group_index >= 0 and type(episode) is int and episode >= 0
+            and type(member) is int and member >= 0 and type(seed) is int and type(success) is bool
+            and type(end_reason) is str and type(worker_rank) is int and worker_rank >= 0
+            and _is_finite_number(score) and _is_finite_number(created_at)):
+        for name, kind in _TRAJ_TYPES.items():
+            _check(body[name], kind, name)
+    _check_group_id(group_id)
+    if type(rows) is not list:
+        raise CodecError(f"turns is a {type(rows).__name__}, expected a list")
+    turns = [_turn_from(row, i) for i, row in enumerate(rows)]
+    for name, value in (("input_ids", input_ids), ("response_mask", response_mask), ("logprobs", logprobs)):
+        if not (type(value) is np.ndarray and value.ndim == 1 and value.dtype == _ARRAY_FIELDS[name]):
+            raise CodecError(f"{name} must be a one-dimensional {np.dtype(_ARRAY_FIELDS[name]).name} array")
+    if not len(input_ids) == len(response_mask) == len(logprobs):
         raise CodecError("input_ids, response_mask and logprobs differ in length")
-    return Trajectory(turns=turns, **{n: body[n] for n in _TRAJ_FIELDS}, **arrays)
+    return Trajectory(traj_id, group_id, mode, tag, group_index, episode, member, seed, turns, score, success,
+                      end_reason, worker_rank, input_ids, response_mask, logprobs, created_at)
 
 
 def _turn_from(row: Any, index: int) -> Turn:
@@ -153,6 +163,10 @@ _TURN_TYPES = {"version": "int", "observation": "str", "reply": "str", "action":
                "reward": "float", "finish_reason": "str"}
 
 
+def _is_finite_number(value: Any) -> bool:
+    return type(value) is int or (type(value) is float and math.isfinite(value))
+
+
 # Exact types: msgpack returns exactly these (a bool is an int to Python, never to this schema); a checker per
 # kind, as the trainer checks every field of every turn of every trajectory it reads.
 _IS: dict[str, Callable[[Any], bool]] = {
@@ -160,7 +174,7 @@ _IS: dict[str, Callable[[Any], bool]] = {
     "str?": lambda v: v is None or type(v) is str,
     "bool": lambda v: type(v) is bool,
     "int": lambda v: type(v) is int,
-    "float": lambda v: type(v) is int or (type(v) is float and math.isfinite(v)),
+    "float": _is_finite_number,
 }
 
 

@@ -324,9 +324,8 @@ class RedisConfig:
     """How long one XREADGROUP/XREAD blocks; kept well below socket_timeout_s."""
     socket_timeout_s: Annotated[float, Field(gt=0.0)] = 30.0
     """Must exceed block_ms, or redis-py turns a blocking read into a TimeoutError after retries."""
-    read_count: PositiveInt = 512
-    """Entries fetched per XREADGROUP. Each read of new entries is a write to Redis (the group's cursor and
-    pending list), fsynced under `appendfsync always`: larger reads share that cost (benchmarks/transport.py)."""
+    read_count: PositiveInt = 128
+    """Entries fetched per XREADGROUP (512 read 2 KB trajectories no faster: 0.83x, 5 interleaved rounds)."""
     heartbeat_s: Annotated[float, Field(gt=0.0)] = 2.0
     """How often a worker refreshes its heartbeat; it is considered gone after 5 missed beats."""
     max_outage_s: float = 300.0
