@@ -75,7 +75,6 @@ class Run:
         return min(after) if after else None
 
 
-
 def run_once(config: Path, seed: int, out_root: Path, overrides: list[str], stop_minutes: float | None) -> Run:
     out = out_root / f"seed{seed}"
     cmd = [sys.executable, "-m", "rollstream", "run", str(config), f"seed={seed}", f"output_dir={out}",
