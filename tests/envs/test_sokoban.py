@@ -7,7 +7,16 @@ import pytest
 from gymnasium.utils.env_checker import check_env
 
 from rollstream.shared.envs.registry import PRESETS, XSB_VOCAB
-from rollstream.shared.envs.sokoban import DEFAULT_VOCAB, Room, SokobanEnv, generate_room, move, play, solve
+from rollstream.shared.envs.sokoban import (
+    DEFAULT_VOCAB,
+    Room,
+    SokobanEnv,
+    generate_room,
+    greedy_actions,
+    move,
+    play,
+    solve,
+)
 from rollstream.shared.envs.text import format_reply
 
 SIMPLE = PRESETS["SimpleSokoban"][1]
@@ -201,3 +210,14 @@ def test_passes_gymnasium_env_checker() -> None:
 def test_from_text_rejects_malformed_rooms(text: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         Room.from_text(text)
+
+
+def test_the_greedy_player_walks_to_the_box_and_pushes_it_in() -> None:
+    start = room("#######\n#P__XO#\n#_____#\n#######")
+    actions = greedy_actions(start, 10, np.random.default_rng(0))
+    assert actions == ["Right", "Right", "Right"]  # two steps to the box, one push onto the target: then it stops
+    end = start
+    for action in actions:
+        end = move(end, action)
+    assert end.solved
+
