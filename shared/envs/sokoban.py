@@ -283,8 +283,9 @@ def greedy_actions(room: Room, steps: int, rng: np.random.Generator) -> list[str
     actions: list[str] = []
     while len(actions) < steps and not room.solved:
         options = {a: after for a in ACTIONS if (after := move(room, a)) != room} or {a: room for a in ACTIONS}
-        best = min(score(after) for after in options.values())
-        choice = str(rng.choice([a for a, after in options.items() if score(after) == best]))
+        scores = {a: score(after) for a, after in options.items()}
+        best = min(scores.values())
+        choice = str(rng.choice([a for a, s in scores.items() if s == best]))
         actions.append(choice)
         room = options[choice]
     return actions
