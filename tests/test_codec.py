@@ -90,3 +90,20 @@ def test_flipping_a_byte_of_a_real_payload_is_caught_or_harmless(position: int, 
     again = decode_entry(encode_trajectory(traj))
     assert isinstance(again, Trajectory) and again.traj_id == traj.traj_id
     assert np.array_equal(again.input_ids, traj.input_ids) and again.turns == traj.turns
+
+
+# One wrong value per trajectory field: the decoder checks them inline (its fast path) and must still refuse each,
+# naming the field, as the field-by-field rules (_TRAJ_TYPES) do.
+WRONG = {"traj_id": 3, "group_id": None, "mode": b"train", "tag": 1.5, "group_index": -1, "episode": "2",
+         "member": True, "seed": 1.0, "score": float("inf"), "success": 1, "end_reason": None, "worker_rank": -2,
+         "created_at": "now"}
+
+
+@pytest.mark.parametrize(("name", "value"), WRONG.items())
+def test_every_trajectory_field_of_the_wrong_type_is_refused_by_name(name: str, value: object) -> None:
+    # unpacked without the array hook, the arrays stay msgpack ExtTypes and pack back as they were
+    message = msgpack.unpackb(encode_trajectory(make_traj(1, 2, 0))["payload"], raw=False)
+    message["body"][name] = value
+    payload = msgpack.packb(message, use_bin_type=True)
+    with pytest.raises(CodecError, match=name):
+        decode_entry({b"payload": payload})
