@@ -209,12 +209,13 @@ class Ledger:
         return None if pipe is not None else bool(result)
 
     def commit_step(self, trained: Iterable[tuple[str, Sequence[bytes | str]]],
-                    announcement: WeightsAnnouncement) -> None:
+                    announcement: WeightsAnnouncement, *, pipe: redis.client.Pipeline | None = None) -> None:
         """Atomically: mark the step's groups trained (ack+delete their entries) and publish the version.
 
         Safe to retry (redis-py retries on a dropped connection and reloads the script after a restart): the
         commit carries a fresh id, and a commit whose id Redis already holds is not applied again. Raises
-        RedisDataLost when Redis is not at version new_version - 1."""
+        RedisDataLost when Redis is not at version new_version - 1. With `pipe`, the commit is queued there and
+        its reply goes to `check_commit`."""
         k, new_version = self.keys, announcement.version
         args: list[bytes | str | int | float] = [new_version, uuid.uuid4().hex, TRAINER_GROUP, 0]
         for group_id, entry_ids in trained:
@@ -223,13 +224,21 @@ class Ledger:
         for name, value in announcement.fields().items():
             if name != "version":  # the script writes the version it commits first
                 args += [name, value]
-        status, version = self._commit(keys=[k.version, k.counters, k.inflight, k.traj, k.control, k.weights, k.run],
-                                       args=args)
+        reply = self._commit(keys=[k.version, k.counters, k.inflight, k.traj, k.control, k.weights, k.run],
+                             args=args, client=pipe or self.client)
+        if pipe is None:
+            self.check_commit(reply, new_version)
+
+    def check_commit(self, reply: object, new_version: int) -> None:
+        """Raise what a commit's reply says went wrong (an error reply, or Redis not at new_version - 1)."""
+        if isinstance(reply, Exception):
+            raise reply
+        status, version = cast(list[int], reply)
         if status == -1:
             raise RedisDataLost(
                 f"cannot commit step {new_version - 1}: Redis holds policy version {version}, expected "
                 f"{new_version - 1}. Redis lost committed steps (a restart without its AOF, or an AOF behind) or "
-                f"another trainer runs experiment {k.ns}; {RESUME_HINT}")
+                f"another trainer runs experiment {self.keys.ns}; {RESUME_HINT}")
 
     def announce(self, announcement: WeightsAnnouncement) -> None:
         """Re-announce the weights of an already published version (a resumed trainer's model)."""

@@ -177,5 +177,15 @@ class Batcher:
 
     def commit(self, batch: Batch, announcement: WeightsAnnouncement) -> None:
         """After the train step: the batch's groups are trained, their entries acked and deleted,
-        and the announced version is published, all in one transaction."""
-        self.ledger.commit_step([(g.group_id, g.entry_ids) for g in batch.groups], announcement)
+        and the announced version is published, all in one transaction.
+
+        The next entries are read in the same round trip (pipelined, not in the transaction): under appendfsync
+        always every read of new entries waits for an fsync too (it moves the consumer group), and one wait
+        serves both. They are routed here, so the next batch may already be in hand."""
+        with self.ledger.client.pipeline(transaction=False) as pipe:
+            self.ledger.commit_step([(g.group_id, g.entry_ids) for g in batch.groups], announcement, pipe=pipe)
+            reading = self.reader.read_ahead(pipe)
+            replies = pipe.execute(raise_on_error=False)
+        self.ledger.check_commit(replies[0], announcement.version)
+        if reading:
+            self.route(self.reader.take(replies[1]))
