@@ -7,7 +7,8 @@ embedded default) and with `everysec`, for trajectories of 2, 16 and 64 KB of pa
 - write: rollstream's real write path, as an env-worker does it (`EnvWorker.publish` of `encode_trajectory`,
   with the write counter and `write_with_backoff`), from 64 coroutines of one process; producer CPU per
   trajectory (encoding included), against `redis-benchmark` XADD of the same entry with pipelining 64 from one
-  connection (Redis's ceiling) and a bare redis-py + hiredis loop (pipelines of 64 XADDs of the encoded entry);
+  connection (Redis's ceiling), a bare redis-py + hiredis loop (pipelines of 64 XADDs of the encoded entry)
+  and the shape of PipelineRL's writer (one synchronous XADD per trajectory, approximate MAXLEN);
 - read: the trainer's real read, group assembly and commit (`Batcher.next_batch` then `Batcher.commit`, the
   ledger's commit script), over a stream filled beforehand with complete groups of 8, against a bare loop
   (XREADGROUP, msgpack decode, XACK + XDEL in one pipeline);
@@ -139,6 +140,20 @@ def bare_write(url: str, fields: dict[str, Any], n: int) -> tuple[float, float]:
         pipe.execute()
     elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
     client.delete("bench:bare")
+    client.close()
+    return n / elapsed, cpu / n * 1e6
+
+
+def pipelinerl_write(url: str, fields: dict[str, Any], n: int) -> tuple[float, float]:
+    """The shape of PipelineRL's Redis writer (pipelinerl/streams.py, RedisStreamWriter.write): a synchronous
+    client, one XADD per trajectory with an approximate MAXLEN of 1,000,000, no pipelining. It pickles its payload;
+    here the same encoded entry goes as it is, so only the write loops differ. (entries/s, CPU µs each)"""
+    client = redis.Redis.from_url(url)
+    start, cpu = time.perf_counter(), time.process_time()
+    for _ in range(n):
+        client.xadd("bench:pipelinerl", fields, maxlen=1_000_000, approximate=True)  # type: ignore[arg-type]
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
+    client.delete("bench:pipelinerl")
     client.close()
     return n / elapsed, cpu / n * 1e6
 
@@ -342,6 +357,8 @@ def one_round(server: EmbeddedRedis, tmp: Path, round_: int, args: argparse.Name
         rate, cpu = bare_write(url, fields, n)
         put("bare write/s", rate)
         put("bare write CPU µs", cpu)
+        rate, cpu = pipelinerl_write(url, fields, entries_for(kb, args.seconds, 2_000))
+        put("PipelineRL writer write/s", rate)
         rate, cpu = rollstream_write(url, cfg, kb, entries_for(kb, args.seconds, 6_000))
         put("rollstream write/s", rate)
         put("rollstream write CPU µs", cpu)
@@ -397,6 +414,9 @@ def report(results: dict[tuple[str, int, str], list[float]], args: argparse.Name
         print(f"| write/s vs redis-benchmark XADD -P {COROUTINES} | {spread(r['rollstream write/s'], '.0f')} | "
               f"{ceiling:.0f} | **{ours_w / ceiling:.2f}** |")
         print(f"| write/s vs bare redis-py pipeline | | {spread(r['bare write/s'], '.0f')} | {ours_w / bare_w:.2f} |")
+        pipelinerl = med(r["PipelineRL writer write/s"])
+        print(f"| write/s vs PipelineRL's writer (one sync XADD each) | | "
+              f"{spread(r['PipelineRL writer write/s'], '.0f')} | **{ours_w / pipelinerl:.2f}** |")
         print(f"| producer CPU µs per write (bare: {med(r['bare write CPU µs']):.0f}) | "
               f"{spread(r['rollstream write CPU µs'], '.0f')} | | |")
         read = med(r["rollstream read/s"])
@@ -427,7 +447,8 @@ def write_results(results: dict[tuple[str, int, str], list[float]], rows: list[A
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    measures = ["redis-benchmark write/s", "bare write/s", "rollstream write/s", "bare read/s", "rollstream read/s",
+    measures = ["redis-benchmark write/s", "bare write/s", "PipelineRL writer write/s", "rollstream write/s",
+                "bare read/s", "rollstream read/s",
                 *(f"e2e {p}p delivered/s" for p in args.producers)]
     fig, axes = plt.subplots(1, len(args.fsyncs), figsize=(6 * len(args.fsyncs), 4.5), squeeze=False)
     for ax, fsync in zip(axes[0], args.fsyncs):
