@@ -111,3 +111,35 @@ def test_stale_groups_are_dropped_and_counted(tmp_path, redis_client) -> None:
     batch = Batcher(redis_client, cfg).next_batch(3, timeout_s=5)  # step 3, r=1: versions >= 2 only
     assert {g.group_id for g in batch.groups} == {make_traj(2).group_id, make_traj(3).group_id}
     assert batch.dropped["stale_dropped"] == 2
+
+
+def test_the_commit_reads_the_next_entries_in_its_round_trip(tmp_path, redis_client) -> None:
+    cfg = _cfg(tmp_path, "redis.read_count=4")  # one read holds one batch
+    _write_groups(redis_client, [0, 1, 2, 3])
+    batcher = Batcher(redis_client, cfg)
+    first = batcher.next_batch(0, timeout_s=5)
+    assert first is not None and not batcher.assembler.ready
+    batcher.commit(first, WeightsAnnouncement(1))
+    assert len(batcher.assembler.ready) == 2  # read with the commit: the next batch is in hand already
+    second = batcher.next_batch(1, timeout_s=5)
+    batcher.commit(second, WeightsAnnouncement(2))
+    assert sorted(g.group_id for g in first.groups + second.groups) == [make_traj(g).group_id for g in range(4)]
+    assert redis_client.xlen(Keys.for_exp("b").traj) == 0
+    assert batcher.ledger.counters() == {"admitted": 4, "trained": 4, "in_flight": 0}
+
+
+def test_entries_of_a_read_ahead_whose_reply_was_lost_are_read_again(tmp_path, redis_client) -> None:
+    cfg = _cfg(tmp_path, "redis.read_count=4")
+    _write_groups(redis_client, [0])
+    batcher = Batcher(redis_client, cfg)
+    with redis_client.pipeline(transaction=False) as pipe:
+        assert batcher.reader.read_ahead(pipe) is False  # still re-reading its own pending entries: no read-ahead
+    assert batcher.next_batch(0, timeout_s=0.5) is None  # one group of the two a batch needs
+    _write_groups(redis_client, [1])
+    with redis_client.pipeline(transaction=False) as pipe:
+        assert batcher.reader.read_ahead(pipe)
+        pipe.execute()  # delivered to this consumer, and the reply dropped as a lost connection would
+    batch = batcher.next_batch(0, timeout_s=10)  # the stranded-entries check finds them within seconds
+    assert batch is not None and sorted(g.group_id for g in batch.groups) == [make_traj(g).group_id for g in (0, 1)]
+    batcher.commit(batch, WeightsAnnouncement(1))
+    assert redis_client.xlen(Keys.for_exp("b").traj) == 0
