@@ -149,6 +149,16 @@ class Admission:
     """The trainer reached max_steps: nothing is admitted any more."""
 
 
+@dataclass(frozen=True)
+class StepCommit:
+    """One step's call of the commit script. Its id makes the same call, retried, a no-op."""
+
+    keys: list[str]
+    args: list[bytes | str | int | float]
+    version: int
+    """The version it publishes."""
+
+
 class AsyncAdmissions:
     """Producer side: take a slot for a group's next episode."""
 
@@ -209,35 +219,45 @@ class Ledger:
         return None if pipe is not None else bool(result)
 
     def commit_step(self, trained: Iterable[tuple[str, Sequence[bytes | str]]],
-                    announcement: WeightsAnnouncement, *, pipe: redis.client.Pipeline | None = None) -> None:
+                    announcement: WeightsAnnouncement) -> None:
         """Atomically: mark the step's groups trained (ack+delete their entries) and publish the version.
 
         Safe to retry (redis-py retries on a dropped connection and reloads the script after a restart): the
         commit carries a fresh id, and a commit whose id Redis already holds is not applied again. Raises
-        RedisDataLost when Redis is not at version new_version - 1. With `pipe`, the commit is queued there and
-        its reply goes to `check_commit`."""
-        k, new_version = self.keys, announcement.version
-        args: list[bytes | str | int | float] = [new_version, uuid.uuid4().hex, TRAINER_GROUP, 0]
+        RedisDataLost when Redis is not at version new_version - 1."""
+        commit = self.step_commit(trained, announcement)
+        self.check_commit(commit, self._commit(keys=commit.keys, args=commit.args))
+
+    def step_commit(self, trained: Iterable[tuple[str, Sequence[bytes | str]]],
+                    announcement: WeightsAnnouncement) -> StepCommit:
+        """The commit of `commit_step`, to queue on a pipeline (`queue_commit`) and check there (`check_commit`)."""
+        k = self.keys
+        args: list[bytes | str | int | float] = [announcement.version, uuid.uuid4().hex, TRAINER_GROUP, 0]
         for group_id, entry_ids in trained:
             args += [group_id, len(entry_ids), *entry_ids]
             args[3] = int(args[3]) + 1
         for name, value in announcement.fields().items():
             if name != "version":  # the script writes the version it commits first
                 args += [name, value]
-        reply = self._commit(keys=[k.version, k.counters, k.inflight, k.traj, k.control, k.weights, k.run],
-                             args=args, client=pipe or self.client)
-        if pipe is None:
-            self.check_commit(reply, new_version)
+        return StepCommit([k.version, k.counters, k.inflight, k.traj, k.control, k.weights, k.run], args,
+                          announcement.version)
 
-    def check_commit(self, reply: object, new_version: int) -> None:
-        """Raise what a commit's reply says went wrong (an error reply, or Redis not at new_version - 1)."""
+    def queue_commit(self, commit: StepCommit, pipe: redis.client.Pipeline) -> None:
+        self._commit(keys=commit.keys, args=commit.args, client=pipe)
+
+    def check_commit(self, commit: StepCommit, reply: object) -> None:
+        """Raise what a commit's reply says went wrong: an error reply, or Redis not at version - 1."""
+        if isinstance(reply, redis.exceptions.NoScriptError):
+            # A pipeline loads its scripts once, before its first try: a Redis restarted before a retry has lost
+            # them. The same call (the same commit id) again, on its own, which loads the script first.
+            reply = self._commit(keys=commit.keys, args=commit.args)
         if isinstance(reply, Exception):
             raise reply
         status, version = cast(list[int], reply)
         if status == -1:
             raise RedisDataLost(
-                f"cannot commit step {new_version - 1}: Redis holds policy version {version}, expected "
-                f"{new_version - 1}. Redis lost committed steps (a restart without its AOF, or an AOF behind) or "
+                f"cannot commit step {commit.version - 1}: Redis holds policy version {version}, expected "
+                f"{commit.version - 1}. Redis lost committed steps (a restart without its AOF, or an AOF behind) or "
                 f"another trainer runs experiment {self.keys.ns}; {RESUME_HINT}")
 
     def announce(self, announcement: WeightsAnnouncement) -> None:

@@ -5,11 +5,15 @@ from __future__ import annotations
 import pytest
 import redis
 
+from rollstream.consumer.data.batcher import Batcher
+from rollstream.shared.codec import encode_trajectory
 from rollstream.shared.config import RedisConfig
 from rollstream.shared.keys import TRAINER_GROUP, Keys
 from rollstream.shared.ledger import Ledger
 from rollstream.shared.messages import WeightsAnnouncement
 from rollstream.shared.redis_io import RedisDataLost, connect
+from tests.conftest import scripted_config
+from tests.factories import make_traj
 from tests.faults.conftest import FaultRedis, ReplyDropper
 
 KEYS = Keys.for_exp("faults")
@@ -40,6 +44,36 @@ def test_a_commit_whose_reply_is_lost_across_a_restart_is_applied_once(fault_red
     assert int(after.hget(KEYS.counters, "trained")) == 1
     assert after.zcard(KEYS.inflight) == 0
     assert after.xlen(KEYS.traj) == 0 and after.xpending(KEYS.traj, TRAINER_GROUP)["pending"] == 0
+    proxy.close()
+
+
+def test_a_pipelined_commit_and_read_ahead_whose_reply_is_lost_across_a_restart(fault_redis: FaultRedis,
+                                                                                 tmp_path) -> None:
+    cfg = scripted_config(tmp_path, "exp_name=faults", "rollout_batch_size=4", "train_env_manager.group_size=2",
+                          "train_env_manager.max_env_num_per_worker=4", "redis.read_count=4")
+    proxy = ReplyDropper(fault_redis.port)
+    batcher = Batcher(connect(proxy.url, RedisConfig()), cfg)
+    client = fault_redis.client()
+    batcher.ledger.register([make_traj(g).group_id for g in range(4)])
+    for g in range(4):
+        for m in range(2):
+            client.xadd(KEYS.traj, encode_trajectory(make_traj(g, 0, m)))
+    first = batcher.next_batch(0, timeout_s=5)
+    assert first is not None
+    # The commit and the read of the next entries run, then Redis is killed -9 and restarted (appendfsync always)
+    # before their replies get back: redis-py sends the pipeline again on a new connection, where the commit
+    # script is gone (NOSCRIPT) and the entries it read are pending to the trainer, unseen.
+    proxy.arm(KEYS.weights.encode(), on_drop=fault_redis.restart)
+    batcher.commit(first, WeightsAnnouncement(1, "file:///w/v1", "sha256:x"))
+    assert proxy.dropped.is_set()
+    second = batcher.next_batch(1, timeout_s=10)  # the stranded-entries check reads them again
+    assert second is not None
+    batcher.commit(second, WeightsAnnouncement(2))
+    trained = sorted(g.group_id for g in first.groups + second.groups)
+    assert trained == [make_traj(g).group_id for g in range(4)]  # each group once
+    assert [f[b"version"] for _, f in client.xrange(KEYS.weights)] == [b"1", b"2"]  # each version announced once
+    assert int(client.hget(KEYS.counters, "trained")) == 4 and client.zcard(KEYS.inflight) == 0
+    assert client.xlen(KEYS.traj) == 0 and client.xpending(KEYS.traj, TRAINER_GROUP)["pending"] == 0
     proxy.close()
 
 
