@@ -181,11 +181,12 @@ class Batcher:
 
         The next entries are read in the same round trip (pipelined, not in the transaction): under appendfsync
         always every read of new entries waits for an fsync too (it moves the consumer group), and one wait
-        serves both. They are routed here, so the next batch may already be in hand."""
+        serves both. They are routed here, so the next batch may already be in hand. Only when it is not in hand
+        yet: reading ahead of a backlog would pile up groups that every poll checks again."""
         commit = self.ledger.step_commit([(g.group_id, g.entry_ids) for g in batch.groups], announcement)
         with self.ledger.client.pipeline(transaction=False) as pipe:
             self.ledger.queue_commit(commit, pipe)
-            reading = self.reader.read_ahead(pipe)
+            reading = len(self.assembler.ready) < self.groups_per_batch and self.reader.read_ahead(pipe)
             replies = pipe.execute(raise_on_error=False)
         self.ledger.check_commit(commit, replies[0])
         if reading:
