@@ -23,7 +23,9 @@ class ScriptedOptions:
     invalid_reply_rate: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
     """Share of replies that are deliberately garbage, to exercise the format penalty."""
     delay_s: Annotated[float, Field(ge=0.0)] = 0.0
-    """Mean seconds per reply, to stand in for generation time."""
+    """Mean seconds per reply (uniform in [0, 2 * delay_s]), to stand in for generation time."""
+    turn_latency_s: Annotated[float, Field(ge=0.0)] = 0.0
+    """Fixed seconds added to every reply: a generation time without jitter, for benchmarks."""
 
 
 @dataclass(config=_OPTIONS)
