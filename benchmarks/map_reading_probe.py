@@ -196,9 +196,9 @@ def main() -> None:
     lines.append(f"| board-blind (best fixed move) | {spread(blind)} | | |")
     print("\n".join(lines))
     RESULTS.mkdir(parents=True, exist_ok=True)
-    name = "map_reading_probe" if args.env == "frozen_lake" else f"{args.env}_reading_probe"
-    (RESULTS / f"{name}.txt").write_text("\n".join(lines) + "\n")
-    with (RESULTS / f"{name}.csv").open("w", newline="") as f:
+    stem = "map_reading_probe" if args.env == "frozen_lake" else f"{args.env}_reading_probe"
+    (RESULTS / f"{stem}.txt").write_text("\n".join(lines) + "\n")
+    with (RESULTS / f"{stem}.csv").open("w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["variant", "seed", "accuracy", "seconds", "prompt_tokens"])
         for name, rs in results.items():

@@ -357,7 +357,7 @@ def one_round(server: EmbeddedRedis, tmp: Path, round_: int, args: argparse.Name
         rate, cpu = bare_write(url, fields, n)
         put("bare write/s", rate)
         put("bare write CPU µs", cpu)
-        rate, cpu = pipelinerl_write(url, fields, entries_for(kb, args.seconds, 2_000))
+        rate, _ = pipelinerl_write(url, fields, entries_for(kb, args.seconds, 2_000))
         put("PipelineRL writer write/s", rate)
         rate, cpu = rollstream_write(url, cfg, kb, entries_for(kb, args.seconds, 6_000))
         put("rollstream write/s", rate)
