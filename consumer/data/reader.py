@@ -115,13 +115,7 @@ class StreamReader:
             log.warning("consumer group missing on %s, recreating it", self.stream)
             self.ensure_group()
             return []
-        raw = reply[0][1] if reply else []
-        self.rereading = rereading
-        if rereading:
-            self._pending_cursor = raw[-1][0] if raw else None
-        else:
-            self._new_read_short = len(raw) < self.count
-        return self._decode(raw)
+        return self._received(reply, rereading)
 
     def read_ahead(self, pipe: redis.client.Pipeline) -> bool:
         """Queue a read of new entries that does not block on `pipe`, beside another command (the step's commit):
@@ -139,9 +133,16 @@ class StreamReader:
             log.warning("read-ahead on %s failed (%s: %s); the next read asks again", self.stream,
                         type(reply).__name__, reply)
             return []
-        raw = cast(StreamReplies, reply)[0][1] if reply else []
-        self.rereading = False
-        self._new_read_short = len(raw) < self.count
+        return self._received(cast(StreamReplies, reply), rereading=False)
+
+    def _received(self, reply: StreamReplies, rereading: bool) -> list[Entry]:
+        """A read's entries, decoded, after noting where it leaves the reader (pending cursor, or backlog read)."""
+        raw = reply[0][1] if reply else []
+        self.rereading = rereading
+        if rereading:
+            self._pending_cursor = raw[-1][0] if raw else None
+        else:
+            self._new_read_short = len(raw) < self.count
         return self._decode(raw)
 
     def _decode(self, raw: list[tuple[bytes, dict[bytes, bytes] | None]]) -> list[Entry]:
