@@ -2,6 +2,10 @@
 
 An entry carries small readable fields (kind, group id, version, tag, score, tokens) beside the msgpack
 payload, so `redis-cli XRANGE <ns>:traj - + COUNT 3` is legible. The payload is the source of truth.
+
+Schema 2 (written now) stores each token array as a plain msgpack bin whose dtype and shape are fixed by the
+field's name (little-endian, one dimension), so neither side runs Python code per array. Schema 1 stored them as
+a msgpack extension with a [dtype, shape] header; it is still read, for trajectory files recorded before.
 """
 
 from __future__ import annotations
@@ -16,13 +20,17 @@ import numpy as np
 
 from rollstream.shared.schema import GroupDropNotice, Trajectory, Turn, parse_group_id
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+READABLE_SCHEMAS = (1, 2)
 _NDARRAY_EXT = 1
+"""Schema 1's msgpack extension type for an ndarray."""
 _TURN_FIELDS = ("version", "observation", "reply", "action", "action_is_valid", "reward",
                 "response_span", "finish_reason")
 _TRAJ_FIELDS = ("traj_id", "group_id", "mode", "tag", "group_index", "episode", "member", "seed",
                 "score", "success", "end_reason", "worker_rank", "created_at")
-_ARRAY_FIELDS = {"input_ids": np.int32, "response_mask": np.uint8, "logprobs": np.float32}
+_ARRAY_FIELDS: dict[str, np.dtype[Any]] = {
+    "input_ids": np.dtype("<i4"), "response_mask": np.dtype("u1"), "logprobs": np.dtype("<f4"),
+}
 
 
 class CodecError(ValueError):
@@ -37,7 +45,8 @@ def encode_trajectory(traj: Trajectory) -> dict[str, bytes | str | int | float]:
     body: dict[str, Any] = {name: getattr(traj, name) for name in _TRAJ_FIELDS}
     body["turns"] = [[getattr(t, name) for name in _TURN_FIELDS] for t in traj.turns]
     for name, dtype in _ARRAY_FIELDS.items():
-        body[name] = np.ascontiguousarray(getattr(traj, name), dtype=dtype)
+        # msgpack packs a memoryview as bin straight from the array's memory: no copy before the payload's own
+        body[name] = np.ascontiguousarray(getattr(traj, name), dtype=dtype).data.cast("B")
     payload = _pack({"schema": SCHEMA_VERSION, "kind": "traj", "body": body})
     return {
         "kind": "traj",
@@ -69,6 +78,7 @@ def decode_entry(fields: Fields) -> Trajectory | GroupDropNotice:
     if not isinstance(raw, bytes):
         raise CodecError("entry has no binary 'payload' field")
     try:
+        # the hook runs only for schema 1's array extensions; a schema 2 payload has none
         message = msgpack.unpackb(raw, ext_hook=_ext_hook, raw=False, strict_map_key=True)
     except CodecError:
         raise
@@ -76,10 +86,11 @@ def decode_entry(fields: Fields) -> Trajectory | GroupDropNotice:
         raise CodecError(f"payload is not valid msgpack: {type(e).__name__}: {e}") from e
     if not isinstance(message, dict):
         raise CodecError(f"payload is a {type(message).__name__}, expected a map")
-    if message.get("schema") != SCHEMA_VERSION:
+    schema = message.get("schema")
+    if type(schema) is not int or schema not in READABLE_SCHEMAS:
         raise CodecError(
-            f"payload schema version {message.get('schema')!r}, this reader understands {SCHEMA_VERSION}; "
-            "producers and trainer must run the same rollstream version"
+            f"payload schema version {schema!r}, this reader understands "
+            f"{', '.join(map(str, READABLE_SCHEMAS))}; run producers and trainer of the same rollstream version"
         )
     body = message.get("body")
     if not isinstance(body, dict):
@@ -87,7 +98,7 @@ def decode_entry(fields: Fields) -> Trajectory | GroupDropNotice:
     kind = message.get("kind")
     try:
         if kind == "traj":
-            return _trajectory_from(body)
+            return _trajectory_from(body, schema)
         if kind == "drop":
             return _drop_from(body)
     except (KeyError, TypeError, ValueError) as e:
@@ -95,12 +106,11 @@ def decode_entry(fields: Fields) -> Trajectory | GroupDropNotice:
     raise CodecError(f"unknown entry kind {kind!r} (expected 'traj' or 'drop')")
 
 
-def _trajectory_from(body: dict[str, Any]) -> Trajectory:
+def _trajectory_from(body: dict[str, Any], schema: int) -> Trajectory:
     try:
         (traj_id, group_id, mode, tag, group_index, episode, member, seed, score, success, end_reason, worker_rank,
          created_at) = (body[name] for name in _TRAJ_FIELDS)
-        rows, input_ids, response_mask, logprobs = body["turns"], body["input_ids"], body["response_mask"], \
-            body["logprobs"]
+        rows, arrays = body["turns"], [body[name] for name in _ARRAY_FIELDS]
     except KeyError:
         missing = [n for n in (*_TRAJ_FIELDS, "turns", *_ARRAY_FIELDS) if n not in body]
         raise CodecError(f"traj payload lacks {', '.join(missing)}") from None
@@ -117,13 +127,28 @@ def _trajectory_from(body: dict[str, Any]) -> Trajectory:
     if type(rows) is not list:
         raise CodecError(f"turns is a {type(rows).__name__}, expected a list")
     turns = [_turn_from(row, i) for i, row in enumerate(rows)]
-    for name, value in (("input_ids", input_ids), ("response_mask", response_mask), ("logprobs", logprobs)):
-        if not (type(value) is np.ndarray and value.ndim == 1 and value.dtype == _ARRAY_FIELDS[name]):
-            raise CodecError(f"{name} must be a one-dimensional {np.dtype(_ARRAY_FIELDS[name]).name} array")
+    array = _array_from if schema >= 2 else _v1_array
+    input_ids, response_mask, logprobs = (array(value, name) for value, name in zip(arrays, _ARRAY_FIELDS))
     if not len(input_ids) == len(response_mask) == len(logprobs):
         raise CodecError("input_ids, response_mask and logprobs differ in length")
     return Trajectory(traj_id, group_id, mode, tag, group_index, episode, member, seed, turns, score, success,
                       end_reason, worker_rank, input_ids, response_mask, logprobs, created_at)
+
+
+def _array_from(value: Any, name: str) -> np.ndarray:
+    dtype = _ARRAY_FIELDS[name]
+    if type(value) is not bytes or len(value) % dtype.itemsize:
+        what = f"{len(value)} bytes" if type(value) is bytes else f"a {type(value).__name__}"
+        raise CodecError(f"{name} is {what}, expected {dtype.name} values as bytes ({dtype.itemsize} each)")
+    # No copy: a read-only view of the bytes msgpack made for this field alone (the trainer only reads the arrays)
+    return np.frombuffer(value, dtype)
+
+
+def _v1_array(value: Any, name: str) -> np.ndarray:
+    dtype = _ARRAY_FIELDS[name]
+    if not (type(value) is np.ndarray and value.ndim == 1 and value.dtype == dtype):
+        raise CodecError(f"{name} must be a one-dimensional {dtype.name} array")
+    return value
 
 
 def _turn_from(row: Any, index: int) -> Turn:
@@ -195,80 +220,36 @@ def _check_group_id(group_id: str) -> None:
 
 
 _PACKERS = threading.local()
-"""One reusable Packer per thread and purpose: `msgpack.packb` builds a new one per call (measured: encoding a 2 KB
-trajectory 20.5 -> 19.2 µs of CPU). Per thread, since a Packer's buffer is not shared safely; the array header
-gets its own, as `_default` runs in the middle of the payload's Packer.pack."""
-
-
-def _packer(purpose: str) -> msgpack.Packer:
-    packer = getattr(_PACKERS, purpose, None)
-    if packer is None:
-        packer = msgpack.Packer(default=_default, use_bin_type=True) if purpose == "payload" else msgpack.Packer()
-        setattr(_PACKERS, purpose, packer)
-    return packer
+"""One reusable Packer per thread: `msgpack.packb` builds a new one per call (measured: encoding a 2 KB trajectory
+20.5 -> 19.2 µs of CPU). Per thread, since a Packer's buffer is not shared safely."""
 
 
 def _pack(obj: Any) -> bytes:
-    return _packer("payload").pack(obj)
+    packer = getattr(_PACKERS, "payload", None)
+    if packer is None:
+        packer = _PACKERS.payload = msgpack.Packer(default=_default, use_bin_type=True)
+    return packer.pack(obj)
 
 
 def _default(obj: Any) -> Any:
-    if isinstance(obj, np.ndarray):
-        header = _packer("header").pack([obj.dtype.str, list(obj.shape)])
-        return msgpack.ExtType(_NDARRAY_EXT, header + obj.tobytes())
-    if isinstance(obj, np.generic):
+    if isinstance(obj, np.generic):  # a numpy scalar among the fields (a score computed with numpy)
         return obj.item()
     raise TypeError(f"cannot encode {type(obj).__name__}")
 
 
 def _ext_hook(code: int, data: bytes) -> Any:
+    """Schema 1's ndarray extension: a msgpack [dtype, shape] header, then the array's bytes."""
     if code != _NDARRAY_EXT:
         raise CodecError(f"unknown msgpack extension type {code}")
     try:
-        dtype_str, shape, offset = _ndarray_header(data)
+        unpacker = msgpack.Unpacker(raw=False)
+        unpacker.feed(data)
+        dtype_str, shape = next(unpacker)
         dtype = np.dtype(dtype_str)
         if dtype.hasobject:
             raise CodecError("object arrays are not allowed")
-        # No copy: a read-only view of `data`, which msgpack made for this extension alone (and the trainer only
-        # reads the arrays, into its own tensors)
-        array = np.frombuffer(data, dtype=dtype, offset=offset)
-        return array if shape == [len(array)] else array.reshape(shape)
+        return np.frombuffer(data, dtype=dtype, offset=unpacker.tell()).reshape(shape)
     except CodecError:
         raise
     except Exception as e:
         raise CodecError(f"bad ndarray extension: {type(e).__name__}: {e}") from e
-
-
-_UINT_WIDTH = {0xcc: 1, 0xcd: 2, 0xce: 4, 0xcf: 8}
-"""msgpack's uint 8/16/32/64 markers and their widths."""
-_HEADER_PROBE = 64
-"""Bytes enough for an ndarray extension's [dtype, shape] header up to a few dimensions."""
-
-
-def _ndarray_header(data: bytes) -> tuple[Any, Any, int]:
-    """The extension's [dtype, shape] header and the array's offset, unpacked from a short slice of `data`:
-    an Unpacker would first copy the whole array into its buffer."""
-    if len(data) > 8 and data[0] == 0x92 and 0xa0 <= data[1] <= 0xbf:
-        # What `_default` writes for a 1-D array, read by hand: [fixstr dtype, [length]]. The general path below
-        # raises and catches ExtraData for every array (measured: decoding a 2 KB trajectory 32.1 -> 28.5 µs).
-        # Malformed bytes raise here too, and `_ext_hook` turns that into a CodecError.
-        end = 2 + (data[1] & 0x1f)
-        if data[end] == 0x91:
-            marker = data[end + 1]
-            if marker < 0x80:
-                return data[2:end].decode(), [marker], end + 2
-            if marker in _UINT_WIDTH:
-                width = _UINT_WIDTH[marker]
-                length = int.from_bytes(data[end + 2:end + 2 + width], "big")
-                return data[2:end].decode(), [length], end + 2 + width
-    head = data[:_HEADER_PROBE]
-    try:
-        header, offset = msgpack.unpackb(head, raw=False), len(head)
-    except msgpack.ExtraData as extra:  # the usual case: the array's bytes follow the header
-        header, offset = extra.unpacked, len(head) - len(extra.extra)
-    except ValueError:  # a header longer than the probe (many dimensions)
-        unpacker = msgpack.Unpacker(raw=False)
-        unpacker.feed(data)
-        header, offset = next(unpacker), unpacker.tell()
-    dtype_str, shape = header
-    return dtype_str, shape, offset

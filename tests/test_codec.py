@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import msgpack
 import numpy as np
 import pytest
@@ -5,8 +7,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from rollstream.shared.codec import CodecError, decode_entry, encode_drop, encode_trajectory
+from rollstream.shared.recording import read_records
 from rollstream.shared.schema import GroupDropNotice, Trajectory, parse_group_id
 from tests.factories import make_traj
+
+RECORDED = Path(__file__).with_name("data") / "frozen_lake_scripted.msgpack"
+"""Recorded by `run` in schema 1 (arrays as msgpack extensions), kept so: old recordings must still replay."""
 
 
 def _as_redis_returns(fields: dict) -> dict[bytes, bytes]:
@@ -45,6 +51,7 @@ def test_drop_notice_round_trip() -> None:
         (b"\xc1", "not valid msgpack"),
         (msgpack.packb([1, 2]), "expected a map"),
         (msgpack.packb({"schema": 99, "kind": "traj", "body": {}}), "schema version 99"),
+        (msgpack.packb({"schema": True, "kind": "traj", "body": {}}), "schema version True"),
         (msgpack.packb({"schema": 1, "kind": "what", "body": {}}), "unknown entry kind"),
         (msgpack.packb({"schema": 1, "kind": "traj", "body": {"traj_id": "x"}}), "traj payload lacks"),
         (msgpack.packb({"schema": 1, "kind": "traj", "body": []}), "no 'body' map"),
@@ -56,13 +63,52 @@ def test_garbage_raises_codec_error_saying_what(payload: bytes | None, message: 
         decode_entry(fields)
 
 
-def test_object_arrays_are_refused() -> None:
-    fields = encode_trajectory(make_traj())
-    body = msgpack.unpackb(fields["payload"], raw=False, ext_hook=lambda c, d: msgpack.ExtType(c, d))
-    header = msgpack.packb(["|O", [1]])
-    body["body"]["input_ids"] = msgpack.ExtType(1, header + b"\x00" * 8)
+def _schema_1(fields: dict) -> bytes:
+    """The payload as schema 1 wrote it: each array a msgpack extension holding [dtype, shape] and its bytes."""
+    message = msgpack.unpackb(fields["payload"], raw=False)
+    message["schema"] = 1
+    for name, dtype in (("input_ids", "<i4"), ("response_mask", "|u1"), ("logprobs", "<f4")):
+        data = message["body"][name]
+        length = len(data) // np.dtype(dtype).itemsize
+        message["body"][name] = msgpack.ExtType(1, msgpack.packb([dtype, [length]]) + data)
+    return msgpack.packb(message, use_bin_type=True)
+
+
+def test_payloads_of_schema_1_still_decode_to_the_same_trajectory() -> None:
+    traj = make_traj(3, 7, 2, version=5, score=0.5)
+    now = decode_entry(_as_redis_returns(encode_trajectory(traj)))
+    before = decode_entry({b"payload": _schema_1(encode_trajectory(traj))})
+    assert isinstance(now, Trajectory) and isinstance(before, Trajectory)
+    assert before.turns == now.turns and before.traj_id == now.traj_id
+    for name in ("input_ids", "response_mask", "logprobs"):
+        assert getattr(before, name).dtype == getattr(now, name).dtype
+        np.testing.assert_array_equal(getattr(before, name), getattr(now, name))
+
+
+def test_the_recorded_file_of_schema_1_replays() -> None:
+    entries = list(read_records(RECORDED))
+    assert entries and msgpack.unpackb(entries[0][b"payload"], raw=False, ext_hook=lambda c, d: None)["schema"] == 1
+    trajectories = [decode_entry(e) for e in entries]
+    assert all(isinstance(t, Trajectory) and t.input_ids.dtype == np.int32 for t in trajectories)
+
+
+def test_object_arrays_of_schema_1_are_refused() -> None:
+    message = msgpack.unpackb(_schema_1(encode_trajectory(make_traj())), raw=False, ext_hook=msgpack.ExtType)
+    message["body"]["input_ids"] = msgpack.ExtType(1, msgpack.packb(["|O", [1]]) + b"\x00" * 8)
     with pytest.raises(CodecError, match="object arrays"):
-        decode_entry({b"payload": msgpack.packb(body)})
+        decode_entry({b"payload": msgpack.packb(message)})
+
+
+@pytest.mark.parametrize(("name", "value", "says"), [
+    ("input_ids", b"\x00" * 7, "input_ids is 7 bytes, expected int32 values"),
+    ("logprobs", [0.5, 0.25], "logprobs is a list, expected float32"),
+    ("response_mask", "1100", "response_mask is a str"),
+])
+def test_an_array_that_is_not_whole_values_as_bytes_is_refused_by_name(name: str, value: object, says: str) -> None:
+    message = msgpack.unpackb(encode_trajectory(make_traj())["payload"], raw=False)
+    message["body"][name] = value
+    with pytest.raises(CodecError, match=says):
+        decode_entry({b"payload": msgpack.packb(message, use_bin_type=True)})
 
 
 @given(st.binary(max_size=512))
@@ -101,7 +147,6 @@ WRONG = {"traj_id": 3, "group_id": None, "mode": b"train", "tag": 1.5, "group_in
 
 @pytest.mark.parametrize(("name", "value"), WRONG.items())
 def test_every_trajectory_field_of_the_wrong_type_is_refused_by_name(name: str, value: object) -> None:
-    # unpacked without the array hook, the arrays stay msgpack ExtTypes and pack back as they were
     message = msgpack.unpackb(encode_trajectory(make_traj(1, 2, 0))["payload"], raw=False)
     message["body"][name] = value
     payload = msgpack.packb(message, use_bin_type=True)
