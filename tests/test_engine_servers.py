@@ -67,12 +67,17 @@ def test_engine_server_run_survives_a_kill_of_its_server(tmp_path: Path, redis_s
     keeper.start()
     try:
         killed_at, killed_group = _kill_server_mid_run(redis_client, keys, out, run, port)
-        run.wait(timeout=900)
+        try:
+            run.wait(timeout=600)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the run did not end 600 s after the kill; where it stood:\n{_log_tails(log, out)}")
         keeper.join()
     finally:
         if run.poll() is None:
             os.killpg(run.pid, signal.SIGKILL)
             run.wait()
+            with contextlib.suppress(OSError, ValueError):  # the server's own group: vLLM must not outlive the test
+                os.killpg(int((out / "engines" / "engine-0.pgid").read_text()), signal.SIGKILL)
     stderr = log.read_text()
     assert run.returncode == 0, stderr[-4000:]
     assert f"trainer done: version {MAX_STEPS}" in stderr
@@ -144,6 +149,17 @@ def _unread_bytes(port: int) -> int:
         if local_port == port:
             most = max(most, int(fields[4].split(":")[1], 16))
     return most
+
+
+def _log_tails(run_log: Path, out: Path, lines: int = 40) -> str:
+    """The last lines of the run's own log and of each process log under its output dir: what a hung run was
+    doing, in the failure report (the tmp dir is gone by the time anyone reads a CI log)."""
+    tails = []
+    for path in [run_log, *sorted((out / "logs").glob("*.log"))]:
+        with contextlib.suppress(OSError):
+            text = path.read_text(errors="replace").splitlines()[-lines:]
+            tails.append(f"--- {path.name} (last {len(text)} lines) ---\n" + "\n".join(text))
+    return "\n".join(tails)
 
 
 def _keep_versions(weights: Path, kept: Path, run: subprocess.Popen[str]) -> None:

@@ -106,6 +106,7 @@ class _Engine:
     outstanding: int = 0
     seen_up: bool = False
     failures: int = 0
+    """Requests it failed: a probe begun before one must not mark it up again with what it saw before."""
 
     def serves(self, min_version: int) -> bool:
         return self.up and self.version is not None and self.version >= min_version
@@ -269,6 +270,7 @@ class VLLMServerPolicy:
             log.warning("engine %s is down (%s: %s): sending to the others until it is back", engine.client.url,
                         type(error).__name__, error)
         engine.up = False
+        engine.failures += 1
         self._monitor.changed.set()
 
     async def _watch(self) -> None:
@@ -286,6 +288,7 @@ class VLLMServerPolicy:
             await asyncio.sleep(POLL_S)
 
     async def _probe(self, engine: _Engine) -> None:
+        failures = engine.failures
         up = await engine.client.healthy()
         version = None
         if up:
@@ -293,6 +296,8 @@ class VLLMServerPolicy:
                 version = await engine.client.version()
             except (httpx.HTTPError, ValueError, KeyError):
                 up = False
+        if engine.failures != failures:  # a request failed while this probe waited: its answers are stale
+            return
         if up and not engine.up:
             log.info("engine %s is up, serving version %s", engine.client.url, version)
         engine.up, engine.version = up, version
