@@ -264,6 +264,10 @@ class VLLMServerPolicy:
     def _raise_fatal(self) -> None:
         if self._monitor.fatal is not None:
             raise self._monitor.fatal
+        task = self._monitor.task
+        if task is not None and task.done():  # a monitor that died would leave every turn waiting, silently
+            error = None if task.cancelled() else task.exception()
+            raise RuntimeError("the engine monitor stopped; no engine can be marked up again") from error
 
     def _mark_down(self, engine: _Engine, error: BaseException) -> None:
         if engine.up:
@@ -294,7 +298,7 @@ class VLLMServerPolicy:
         if up:
             try:
                 version = await engine.client.version()
-            except (httpx.HTTPError, ValueError, KeyError):
+            except Exception:  # any answer but a version (a reply cut by a kill, not JSON, ...): not up yet
                 up = False
         if engine.failures != failures:  # a request failed while this probe waited: its answers are stale
             return

@@ -8,10 +8,12 @@ the reload test comes last because it moves the server to version 1.
 from __future__ import annotations
 
 import asyncio
+import http.server
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Coroutine, Iterator
 from dataclasses import dataclass
@@ -146,6 +148,44 @@ def test_an_engine_unreachable_at_start_is_an_error_naming_its_url() -> None:
 
     with pytest.raises(EngineUnreachable, match=url.replace(".", r"\.")):
         asyncio.run(wait())
+
+
+def test_an_engine_that_answers_garbage_stays_down_until_it_answers_a_version() -> None:
+    """The monitor takes any bad answer for "not up yet" and keeps probing: a reply cut short by a kill, or a body
+    that is not the JSON object vLLM sends, must neither mark the engine up nor stop the monitor (a stopped monitor
+    would leave every turn of the env-worker waiting, silently)."""
+    answer = {"body": b"[]"}  # JSON, but not an object: what a half-started or wrong server could send
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = b"" if self.path == "/health" else answer["body"]
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    stub = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=stub.serve_forever, daemon=True).start()
+
+    async def probe() -> None:
+        policy = VLLMServerPolicy(None, [f"http://127.0.0.1:{stub.server_address[1]}"], startup_timeout_s=60.0)
+        try:
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(policy.wait_for_version(0), timeout=2.0)
+            answer["body"] = b'{"weight_version": "3"}'
+            await asyncio.wait_for(policy.wait_for_version(3), timeout=10.0)
+            assert policy.version == 3
+        finally:
+            await policy.close()
+
+    try:
+        asyncio.run(probe())
+    finally:
+        stub.shutdown()
+        stub.server_close()
 
 
 def test_generation_through_the_server_returns_tokens_logprobs_and_version(server: Server) -> None:
