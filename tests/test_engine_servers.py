@@ -157,7 +157,7 @@ def _log_tails(run_log: Path, out: Path, lines: int = 40) -> str:
     tails = []
     for path in [run_log, *sorted((out / "logs").glob("*.log"))]:
         with contextlib.suppress(OSError):
-            text = path.read_text(errors="replace").splitlines()[-lines:]
+            text = [line[:240] for line in path.read_text(errors="replace").splitlines()[-lines:]]
             tails.append(f"--- {path.name} (last {len(text)} lines) ---\n" + "\n".join(text))
     return "\n".join(tails)
 
