@@ -117,7 +117,6 @@ class _Monitor:
     task: asyncio.Task[None] | None = None
     started: float = field(default_factory=time.monotonic)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
-    fatal: BaseException | None = None
 
 
 class VLLMServerPolicy:
@@ -262,12 +261,15 @@ class VLLMServerPolicy:
             self._monitor.task = asyncio.create_task(self._watch(), name="engine-monitor")
 
     def _raise_fatal(self) -> None:
-        if self._monitor.fatal is not None:
-            raise self._monitor.fatal
+        """The monitor's end, raised: EngineUnreachable, or whatever else stopped it (a monitor that stopped would
+        otherwise leave every turn waiting, silently)."""
         task = self._monitor.task
-        if task is not None and task.done():  # a monitor that died would leave every turn waiting, silently
-            error = None if task.cancelled() else task.exception()
-            raise RuntimeError("the engine monitor stopped; no engine can be marked up again") from error
+        if task is None or not task.done():
+            return
+        error = None if task.cancelled() else task.exception()
+        if isinstance(error, EngineUnreachable):
+            raise error
+        raise RuntimeError("the engine monitor stopped; no engine can be marked up again") from error
 
     def _mark_down(self, engine: _Engine, error: BaseException) -> None:
         if engine.up:
@@ -284,11 +286,10 @@ class VLLMServerPolicy:
             waited = time.monotonic() - self._monitor.started
             never = [e.client.url for e in self.engines if not e.seen_up]
             if never and waited > self.startup_timeout_s:
-                self._monitor.fatal = EngineUnreachable(
+                raise EngineUnreachable(
                     f"engine server {never[0]} unreachable for {waited:.0f} s since this env-worker started "
                     "(actor_infer.strategy_args.strategy_config.startup_timeout_s): is `rollstream engine` running "
                     "there, and does strategy_config.urls/base_port name it?")
-                return
             await asyncio.sleep(POLL_S)
 
     async def _probe(self, engine: _Engine) -> None:
