@@ -243,16 +243,13 @@ class Ledger:
                           announcement.version)
 
     def queue_commit(self, commit: StepCommit, pipe: redis.client.Pipeline) -> None:
-        # EVALSHA queued as is: a script queued through redis-py's Script makes the pipeline ask SCRIPT EXISTS
-        # first, one more round trip per step. Redis answers NOSCRIPT where it lacks the script (a fresh or
-        # restarted Redis), and check_commit then makes the same call on its own, which loads it.
-        pipe.evalsha(self._commit.sha, len(commit.keys), *commit.keys, *commit.args)
+        self._commit(keys=commit.keys, args=commit.args, client=pipe)
 
     def check_commit(self, commit: StepCommit, reply: object) -> None:
         """Raise what a commit's reply says went wrong: an error reply, or Redis not at version - 1."""
         if isinstance(reply, redis.exceptions.NoScriptError):
-            # Queued without loading the script (queue_commit): the same call (the same commit id) again, on its
-            # own, which loads it first. Nothing of the commit ran: NOSCRIPT is answered before the script starts.
+            # A pipeline loads its scripts once, before its first try: a Redis restarted before a retry has lost
+            # them. The same call (the same commit id) again, on its own, which loads the script first.
             reply = self._commit(keys=commit.keys, args=commit.args)
         if isinstance(reply, Exception):
             raise reply

@@ -128,27 +128,6 @@ def test_the_commit_reads_the_next_entries_in_its_round_trip(tmp_path, redis_cli
     assert batcher.ledger.counters() == {"admitted": 4, "trained": 4, "in_flight": 0}
 
 
-def test_a_step_commit_asks_redis_nothing_first_and_loads_its_script_when_redis_lacks_it(tmp_path, redis_client
-                                                                                          ) -> None:
-    cfg = _cfg(tmp_path, "redis.read_count=4")
-    _write_groups(redis_client, [0, 1, 2, 3])
-    batcher = Batcher(redis_client, cfg)
-    redis_client.script_flush()  # as after a Redis restart: the commit script is not loaded
-    redis_client.config_resetstat()
-    for step in range(2):
-        batch = batcher.next_batch(step, timeout_s=5)
-        assert batch is not None
-        batcher.commit(batch, WeightsAnnouncement(step + 1))
-    stats = {name.removeprefix("cmdstat_"): s for name, s in redis_client.info("commandstats").items()}
-    assert "script|exists" not in stats  # no SCRIPT EXISTS round trip before each commit
-    # The first commit answered NOSCRIPT (in its pipeline, then redis-py's own first try), loaded the script and ran
-    # it; the second ran it at once: one commit applied per step.
-    assert stats["script|load"]["calls"] == 1 and stats["evalsha"]["failed_calls"] == 2
-    assert stats["evalsha"]["calls"] - stats["evalsha"]["failed_calls"] == 2
-    assert batcher.ledger.counters() == {"admitted": 4, "trained": 4, "in_flight": 0}
-    assert int(redis_client.get(Keys.for_exp("b").version)) == 2
-
-
 def test_entries_of_a_read_ahead_whose_reply_was_lost_are_read_again(tmp_path, redis_client) -> None:
     cfg = _cfg(tmp_path, "redis.read_count=4")
     _write_groups(redis_client, [0])
