@@ -10,9 +10,10 @@ and reports the runs already in the output dirs; `--stop-after-minutes M` ends e
 graceful stop) M minutes after its trainer started, and then its "end" is that stop. From each run's
 `metrics.jsonl` (wall-clock minutes since the trainer started beside every logged metric) it takes held-out
 success, greedy (`val/success`) and sampled (`val_sampled/success`), as the last validation round logged by 5, 10
-and 15 minutes and at the end, its peak (and when) and the lowest value after the peak (a run that learned and
-then collapsed shows there), and writes:
-- a table on stdout: min / median / max over runs at each of those times, of the peak and of the low after it;
+and 15 minutes and at the end, its peak (and when), the lowest value after the peak (a run that learned and
+then collapsed shows there) and the lowest value after it first reached the goal's 0.6 (a dip between the first
+good round and a later peak shows there), and writes:
+- a table on stdout: min / median / max over runs at each of those times, of the peak and of the lows;
 - `benchmarks/results/learning_runs-<exp>.csv`: one row per run (env, seed, build seconds, the figures above);
 - `benchmarks/results/learning_runs-<exp>.png`: every run's held-out curves on a wall-clock axis, with the
   reference policies on the first seed's held-out maps drawn as dashed lines (computed here, as validation does).
@@ -42,6 +43,8 @@ RESULTS = REPO / "benchmarks" / "results"
 MINUTES = (5, 10, 15)
 """The default wall-clock marks of the table (`--minutes`: e.g. 10 20 30 for a 30-minute env)."""
 CURVES = {"greedy": "val/success", "sampled": "val_sampled/success"}
+REACHED = 0.6
+"""The learning goal's bar (issue 16: every run >= 0.6 within 15 minutes, and never back below 0.5 after)."""
 
 
 @dataclass
@@ -72,6 +75,13 @@ class Run:
         """The lowest value logged after the peak: how far a run fell back from its best."""
         peak = self.peak(key)
         after = [v for m, v in self.curve(key) if peak and m > peak[1]]
+        return min(after) if after else None
+
+    def low_after_reaching(self, key: str, bar: float = REACHED) -> float | None:
+        """The lowest value logged after the first round at or above `bar` (None: never reached, or nothing after)."""
+        points = self.curve(key)
+        first = next((i for i, (_, v) in enumerate(points) if v >= bar), None)
+        after = [v for _, v in points[first + 1:]] if first is not None else []
         return min(after) if after else None
 
 
@@ -134,13 +144,16 @@ def summary_rows(runs: list[Run], marks: Sequence[float] = MINUTES) -> list[list
         rows.append([label, *(spread([r.at(key, minutes) for r in runs]) for key in CURVES.values())])
     rows.append(["peak", *(spread([p[0] if (p := r.peak(key)) else None for r in runs]) for key in CURVES.values())])
     rows.append(["lowest after the peak", *(spread([r.low_after_peak(key) for r in runs]) for key in CURVES.values())])
+    rows.append([f"lowest after first >= {REACHED:g}",
+                 *(spread([r.low_after_reaching(key) for r in runs]) for key in CURVES.values())])
     return rows
 
 
 def write_csv(path: Path, env_name: str, runs: list[Run], marks: Sequence[float] = MINUTES) -> None:
     columns = ["env", "seed", "build_s", "steps", "run_minutes"]
     columns += [f"{name}_success_{m:g}min" for m in marks for name in CURVES] + [f"{n}_success_end" for n in CURVES]
-    columns += [f"{n}_{what}" for n in CURVES for what in ("success_peak", "peak_minutes", "success_after_peak_min")]
+    columns += [f"{n}_{what}" for n in CURVES for what in ("success_peak", "peak_minutes", "success_after_peak_min",
+                                                           f"success_after_{REACHED:g}_min")]
     with path.open("w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(columns)
@@ -149,7 +162,7 @@ def write_csv(path: Path, env_name: str, runs: list[Run], marks: Sequence[float]
             figures += [r.at(key, None) for key in CURVES.values()]
             for key in CURVES.values():
                 peak = r.peak(key)
-                figures += [*(peak or (None, None)), r.low_after_peak(key)]
+                figures += [*(peak or (None, None)), r.low_after_peak(key), r.low_after_reaching(key)]
             writer.writerow([env_name, r.seed, "" if r.build_s is None else round(r.build_s, 1),
                              int(r.records[-1]["step"]),
                              round(r.records[-1]["minutes"], 2),
