@@ -1,0 +1,43 @@
+"""The learning benchmark's figures of a run: what a table of runs says about the goal."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+_SPEC = importlib.util.spec_from_file_location(
+    "learning_runs", Path(__file__).resolve().parent.parent / "benchmarks" / "learning_runs.py")
+assert _SPEC is not None and _SPEC.loader is not None
+learning_runs = importlib.util.module_from_spec(_SPEC)
+sys.modules[_SPEC.name] = learning_runs  # its dataclasses look their module up there
+_SPEC.loader.exec_module(learning_runs)
+
+KEY = "val/success"
+
+
+def _run(curve: list[tuple[float, float]]):
+    return learning_runs.Run(1, None, [{"minutes": m, KEY: v} for m, v in curve])
+
+
+def test_a_dip_before_a_later_peak_shows_after_first_reaching_the_bar_not_after_the_peak() -> None:
+    run = _run([(1, 0.0), (5, 0.76), (6, 0.36), (7, 0.70), (10, 0.83), (12, 0.81)])  # seed 3's shape
+    assert run.peak(KEY) == (0.83, 10)
+    assert run.low_after_peak(KEY) == 0.81
+    assert run.low_after_reaching(KEY) == 0.36
+
+
+def test_a_run_that_never_reached_the_bar_or_ended_on_it_has_no_low_after_it() -> None:
+    assert _run([(1, 0.2), (5, 0.47), (9, 0.33)]).low_after_reaching(KEY) is None
+    assert _run([(1, 0.2), (15, 0.61)]).low_after_reaching(KEY) is None
+    assert _run([(1, 0.6), (2, 0.55)]).low_after_reaching(KEY) == 0.55  # the bar itself counts as reached
+
+
+def test_the_table_and_the_csv_carry_the_low_after_reaching(tmp_path) -> None:
+    runs = [_run([(1, 0.7), (2, 0.4), (3, 0.8)]), _run([(1, 0.1), (2, 0.65), (3, 0.6)])]
+    rows = {row[0]: row[1] for row in learning_runs.summary_rows(runs, marks=(2,))}
+    assert rows["lowest after first >= 0.6"] == "0.40 / 0.50 / 0.60"
+    for r in runs:
+        r.records[-1]["step"] = 3
+    path = tmp_path / "runs.csv"
+    learning_runs.write_csv(path, "FrozenLake", runs, marks=(2,))
+    header, first, _ = path.read_text().splitlines()
+    assert dict(zip(header.split(","), first.split(",")))["greedy_success_after_0.6_min"] == "0.4"
