@@ -74,8 +74,7 @@ class Run:
     def low_after_peak(self, key: str) -> float | None:
         """The lowest value logged after the peak: how far a run fell back from its best."""
         peak = self.peak(key)
-        after = [v for m, v in self.curve(key) if peak and m > peak[1]]
-        return min(after) if after else None
+        return self.low_after_reaching(key, peak[0]) if peak else None  # the peak is the first round at its value
 
     def low_after_reaching(self, key: str, bar: float = REACHED) -> float | None:
         """The lowest value logged after the first round at or above `bar` (None: never reached, or nothing after)."""
