@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,12 +62,13 @@ def run_trainer(cfg: RollstreamConfig, client: redis.Redis, *, consumer: str = "
         for step in range(start, cfg.max_steps):
             if validator and step % cfg.eval_steps == 0 and not stop.is_set():
                 metrics.log(step, validator.run(step, version=step))
-            batch = None
-            while batch is None and not stop.is_set():
+            batch, waiting = None, time.monotonic()
+            while batch is None and not stop.is_set():  # the wait is every round of this loop, not the last
                 batcher.ledger.expect_version(step)  # each second: Redis may have lost steps while we wait
                 batch = batcher.next_batch(step, timeout_s=1.0)
             if batch is None:
                 break
+            wait_s = time.monotonic() - waiting
             timer = PhaseTimer()
             stats = learner.train_step(batch)
             timer.lap("train")
@@ -86,7 +88,7 @@ def run_trainer(cfg: RollstreamConfig, client: redis.Redis, *, consumer: str = "
                 recorder.write_all([encode_trajectory(traj) for traj in batch.trajectories])
             counts = batcher.ledger.counters()
             stats |= rollout_stats(batch.trajectories, step, cfg.async_generation_ratio)
-            stats |= {"time/wait_s": batch.wait_s} | timer.seconds()
+            stats |= {"time/wait_s": wait_s} | timer.seconds()
             stats |= {f"groups/{k}": float(v) for k, v in counts.items()}
             stats |= {f"groups/step_{k}": float(v) for k, v in batch.dropped.items()}
             if not reconciles(counts):
@@ -94,7 +96,7 @@ def run_trainer(cfg: RollstreamConfig, client: redis.Redis, *, consumer: str = "
             metrics.log(step, stats, console=(step + 1) % cfg.logging_steps == 0)
             bar.update()
             bar.set_postfix(success=f"{stats.get('rollout/success', 0):.2f}",
-                            held_out=f"{metrics.latest('val/success') or 0:.2f}", wait=f"{batch.wait_s:.1f}s")
+                            held_out=f"{metrics.latest('val/success') or 0:.2f}", wait=f"{wait_s:.1f}s")
         if validator and not stop.is_set() and batcher.ledger.version() == cfg.max_steps > start:
             metrics.log(cfg.max_steps, validator.run(cfg.max_steps, version=cfg.max_steps))
         if not stop.is_set() and batcher.ledger.version() >= cfg.max_steps:

@@ -35,7 +35,7 @@ from rollstream.shared.engines import SERVER_MODULE, EnginePlan, engine_plan, se
 from rollstream.shared.keys import Keys
 from rollstream.shared.ledger import finished_version
 from rollstream.shared.messages import EngineBeat, MessageError, parse_announcement
-from rollstream.shared.redis_io import StreamEntries, connect_async
+from rollstream.shared.redis_io import StreamEntries, cancel_and_wait, connect_async
 from rollstream.shared.weights_io import verify_digest, weights_path_from_uri
 from rollstream.shared.weights_transport import drop_downloads, fetch_weights
 
@@ -91,9 +91,9 @@ class EngineServer:
                      asyncio.create_task(self._until_finished(), name="until-finished"),
                      asyncio.create_task(self.stop.wait(), name="stop")]
             done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-            for task in pending:
-                task.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
+            if stuck := await cancel_and_wait(pending, STOP_GRACE_S):
+                log.warning("engine %d: tasks did not stop within %.0f s, left behind: %s", self.plan.rank,
+                            STOP_GRACE_S, ", ".join(t.get_name() for t in stuck if isinstance(t, asyncio.Task)))
             for task in done:
                 if not task.cancelled() and task.exception() is not None:
                     raise cast(BaseException, task.exception())

@@ -48,6 +48,8 @@ from rollstream.shared.redis_io import (
     RedisDataLost,
     RedisUnavailable,
     StreamEntries,
+    cancel_and_wait,
+    register_async_script,
     write_with_backoff,
 )
 from rollstream.shared.schema import GroupDropNotice, Trajectory, group_prefix
@@ -137,7 +139,7 @@ class EnvWorker:
         self._beats = 0
         self.twin: str | None = None
         """Set when another process beats under this rank: the run is misconfigured and this worker stops."""
-        self._heartbeat_script = client.register_script(HEARTBEAT_LUA)
+        self._heartbeat_script = register_async_script(client, HEARTBEAT_LUA)
         self.writer = f"writes:worker:{rank}"
         """This worker's field in the run hash: how many entries it has written."""
         self.writes_base: int | None = None
@@ -177,16 +179,13 @@ class EnvWorker:
                     failure = task.exception()
                     break
         finally:
-            # The loops also end by this flag: redis-py can swallow a cancellation that lands inside a blocking
-            # command (redis/redis-py#2028, #2579), and a `while True` loop would then never return.
+            # The loops end by this flag too, at their next check; cancel_and_wait ends those waiting meanwhile
             self.stop.set()
             # members too: gather cancels none of them when one fails
             tasks: list[asyncio.Future[Any]] = [playing, *members, *background, stopped, *self._val_tasks]
-            for task in tasks:
-                task.cancel()
-            done, stuck = await asyncio.wait(tasks, timeout=SHUTDOWN_REPORT_S)
-            for task in done:  # retrieved, so none is logged as never retrieved; a member's failure is re-raised
-                if not task.cancelled():
+            stuck = await cancel_and_wait(tasks, SHUTDOWN_REPORT_S)
+            for task in tasks:  # retrieved, so none is logged as never retrieved; a member's failure is re-raised
+                if task.done() and not task.cancelled():
                     task.exception()
             if stuck:
                 names = ", ".join(getattr(t, "get_name", lambda: "env members")() for t in stuck)

@@ -6,16 +6,22 @@ payload, so `redis-cli XRANGE <ns>:traj - + COUNT 3` is legible. The payload is 
 Schema 2 (written now) stores each token array as a plain msgpack bin whose dtype and shape are fixed by the
 field's name (little-endian, one dimension), so neither side runs Python code per array. Schema 1 stored them as
 a msgpack extension with a [dtype, shape] header; it is still read, for trajectory files recorded before.
+
+Decoding a schema 2 trajectory is msgspec's typed decoder (unpacking and the type rules in C, ~3x faster than
+msgpack plus the checks in Python: the trainer decodes every entry). Anything it refuses, and every other kind of
+entry, takes the general path below, which accepts what it accepts and names what is wrong with the rest.
 """
 
 from __future__ import annotations
 
 import math
+import sys
 import threading
 from collections.abc import Callable, Mapping
-from typing import Any, cast
+from typing import Annotated, Any, Literal, cast
 
 import msgpack
+import msgspec
 import numpy as np
 
 from rollstream.shared.schema import GroupDropNotice, Trajectory, Turn, parse_group_id
@@ -78,6 +84,15 @@ def decode_entry(fields: Fields) -> Trajectory | GroupDropNotice:
     if not isinstance(raw, bytes):
         raise CodecError("entry has no binary 'payload' field")
     try:
+        body = _TYPED_TRAJ.decode(raw).body
+    except Exception:  # refused for any reason (bad types, bad UTF-8, another kind...): the general path says why
+        return _decode_any(raw)
+    return _typed_trajectory(body) or _decode_any(raw)
+
+
+def _decode_any(raw: bytes) -> Trajectory | GroupDropNotice:
+    """Any payload: schema 1 or 2, trajectory or drop notice, or garbage (a CodecError saying what is wrong)."""
+    try:
         # the hook runs only for schema 1's array extensions; a schema 2 payload has none
         message = msgpack.unpackb(raw, ext_hook=_ext_hook, raw=False, strict_map_key=True)
     except CodecError:
@@ -133,6 +148,56 @@ def _trajectory_from(body: dict[str, Any], schema: int) -> Trajectory:
         raise CodecError("input_ids, response_mask and logprobs differ in length")
     return Trajectory(traj_id, group_id, mode, tag, group_index, episode, member, seed, turns, score, success,
                       end_reason, worker_rank, input_ids, response_mask, logprobs, created_at)
+
+
+# The typed decoder's schema: a schema 2 trajectory, field for field the rules of _trajectory_from and _turn_from.
+_NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+_Finite = Annotated[float, msgspec.Meta(ge=-sys.float_info.max, le=sys.float_info.max)]  # refuses NaN and inf
+_TurnRow = tuple[_NonNegative, str, str, str | None, bool, _Finite, tuple[int, int], str]  # _TURN_FIELDS' order
+_GroupId = Annotated[str, msgspec.Meta(pattern=r"^[^/]*/[^/]*/g[0-9]+/e[0-9]+$")]  # stricter than parse_group_id
+_IDS, _MASK, _LOGPROBS = _ARRAY_FIELDS.values()
+
+
+class _TrajBody(msgspec.Struct):
+    traj_id: str
+    group_id: _GroupId
+    mode: str
+    tag: str
+    group_index: _NonNegative
+    episode: _NonNegative
+    member: _NonNegative
+    seed: int
+    score: _Finite
+    success: bool
+    end_reason: str
+    worker_rank: _NonNegative
+    created_at: _Finite
+    turns: list[_TurnRow]
+    input_ids: bytes
+    response_mask: bytes
+    logprobs: bytes
+
+
+class _TrajMessage(msgspec.Struct):
+    schema: Literal[2]
+    kind: Literal["traj"]
+    body: _TrajBody
+
+
+_TYPED_TRAJ = msgspec.msgpack.Decoder(_TrajMessage)
+
+
+def _typed_trajectory(body: _TrajBody) -> Trajectory | None:
+    """The trajectory from a body the typed decoder accepted, or None where the arrays do not hold the same number
+    of whole values (the one rule it cannot express; the general path then names what is wrong)."""
+    tokens = len(body.response_mask)  # uint8: one byte per token
+    if len(body.input_ids) != tokens * _IDS.itemsize or len(body.logprobs) != tokens * _LOGPROBS.itemsize:
+        return None
+    # No copies: read-only views of the bytes the decoder made for these fields alone (the trainer only reads them)
+    return Trajectory(body.traj_id, body.group_id, body.mode, body.tag, body.group_index, body.episode, body.member,
+                      body.seed, [Turn(*row) for row in body.turns], body.score, body.success, body.end_reason,
+                      body.worker_rank, np.frombuffer(body.input_ids, _IDS), np.frombuffer(body.response_mask, _MASK),
+                      np.frombuffer(body.logprobs, _LOGPROBS), body.created_at)
 
 
 def _array_from(value: Any, name: str) -> np.ndarray:

@@ -57,6 +57,8 @@ MAX_ENV_GROUPS = 100_000
 """Bounds that keep a typo (num_env_groups: 10**12) an error, not a MemoryError while laying groups out."""
 MAX_GROUP_SIZE = 4096
 MAX_ENVS_PER_WORKER = 1_000_000
+GROUP_FILTERS = ("no_advantage",)
+"""The built-in `group_filter_cls` names (rollstream.consumer.data.group_filters)."""
 
 
 def choices(literal: Any) -> tuple[Any, ...]:
@@ -126,6 +128,15 @@ class EnvManagerConfig:
     """Which `custom_envs` entries to run."""
     num_groups_partition: IntList | None = None
     """Groups per tag, in the order of `tags`; unset splits num_env_groups evenly."""
+    group_filter_cls: str | None = None
+    """train_env_manager only: which complete groups the trainer drops instead of training (their slots return, so
+    others are played in their place: dynamic sampling). no_advantage: groups whose every advantage is zero (all
+    members scored alike; gigpo: no step-level difference either); or an import path `package.module:Class` whose
+    `Class(cfg)` has `filter(group_id, trajectories) -> bool` (true drops, as ROLL's GroupFilter). Unset: keep all."""
+    group_filter_max_batches: PositiveInt = 4
+    """While one batch is gathered, at most this many batches' worth of groups are filtered out; past that the
+    filter lets groups through until the batch is full (logged), so a filter that drops everything slows the
+    steps but never stalls the run."""
 
 
 @dataclass(config=SCHEMA)
@@ -408,6 +419,11 @@ class RollstreamConfig:
     """PPO ratio anchor: engine (the behaviour policy's logprobs) or recompute (trainer weights before the step)."""
     is_ratio_cap: Annotated[float, Field(gt=1.0)] = 3.0
     """Truncation of the importance ratio: the dual clip for negative advantages; with recompute, the IS cap."""
+    early_stop_kl: Annotated[float, Field(gt=0.0)] | None = None
+    """End a train step at the first mini-batch whose approximate KL (actor/approx_kl: the trainer's weights,
+    before that mini-batch's update, against the engine's logprobs) exceeds this: its gradient is discarded and
+    the rest of the step is not trained, so no step takes the policy far from the one that sampled the batch.
+    Unset: every mini-batch trains. Optimizer steps not taken do not advance the lr schedule. torch_train only."""
 
     actor_train: TrainWorkerConfig = field(default_factory=TrainWorkerConfig)
     """The trainer's role."""

@@ -12,8 +12,9 @@ from typing import Annotated, Any
 from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
 from pydantic.dataclasses import dataclass
 
-from rollstream.shared.config import ConfigError, RollstreamConfig, StrategyArgs, ZeroStage
+from rollstream.shared.config import GROUP_FILTERS, ConfigError, RollstreamConfig, StrategyArgs, ZeroStage
 from rollstream.shared.hosts import plan_hosts
+from rollstream.shared.imports import import_object, is_import_path
 
 _OPTIONS = ConfigDict(extra="forbid", use_attribute_docstrings=True, allow_inf_nan=False)
 
@@ -112,6 +113,10 @@ def check_config(cfg: RollstreamConfig) -> list[str]:
                           "temperature 0, so every member of a group would play the same; use 1")
     for role in ("actor_infer", "actor_train"):
         strategy_options(getattr(cfg, role).strategy_args, role)
+    if cfg.early_stop_kl is not None and cfg.actor_train.strategy_args.strategy_name == "deepspeed_train":
+        raise ConfigError(f"early_stop_kl={cfg.early_stop_kl}: deepspeed_train cannot drop a mini-batch's gradients "
+                          "without stepping (ZeRO holds them in its own buffers); unset it or use torch_train")
+    _check_group_filter(cfg)
     _check_models(cfg)  # before the hosts: they place the engines that device_mapping makes
     plan_hosts(cfg.hosts, cfg.train_layout.num_workers, num_engines(cfg))
     return _device_notices(cfg)
@@ -152,6 +157,32 @@ def _check_custom_envs(cfg: RollstreamConfig) -> None:
         except Exception as e:  # a user's env that cannot be built: say so here, not in every env-worker's log
             raise ConfigError(f"custom_envs.{tag}: env_type {cfg.custom_envs[tag].env_type!r} could not be built: "
                               f"{type(e).__name__}: {e}") from None
+
+
+def _check_group_filter(cfg: RollstreamConfig) -> None:
+    """A filter is a built-in name or an importable class with `filter`; it applies to training groups only."""
+    if cfg.val_env_manager.group_filter_cls is not None:
+        raise ConfigError(f"val_env_manager.group_filter_cls={cfg.val_env_manager.group_filter_cls!r}: validation "
+                          "plays every held-out map once and trains nothing; set it on train_env_manager")
+    spec = cfg.train_env_manager.group_filter_cls
+    key = "train_env_manager.group_filter_cls"
+    if spec is None:
+        return
+    if spec == "no_advantage" and cfg.adv_estimator == "reinforce":
+        raise ConfigError(f"{key}=no_advantage: adv_estimator=reinforce compares a trajectory with the whole "
+                          "batch, not its group, so a group alone does not say whether it has an advantage; use "
+                          "grpo or gigpo, or unset the filter")
+    if spec in GROUP_FILTERS:
+        return
+    if not is_import_path(spec):
+        raise ConfigError(f"{key}={spec!r}: use a built-in filter ({', '.join(GROUP_FILTERS)}) or an import path "
+                          "'package.module:Class' whose Class(cfg) has filter(group_id, trajectories) -> bool")
+    try:
+        cls = import_object(spec, key)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if not callable(getattr(cls, "filter", None)):
+        raise ConfigError(f"{key}={spec!r} is {cls!r}, which has no method filter(group_id, trajectories) -> bool")
 
 
 def strategy_options(args: StrategyArgs, role: str) -> Any:

@@ -70,6 +70,12 @@ class Keys:
         return f"{self.ns}:episodes"
 
     @property
+    def last_admission(self) -> str:
+        """Hash: env group -> "<request id> <episode>" of its newest admission, so that an admission retried after
+        its reply was lost (a Redis restart) gets the same episode back instead of a second slot."""
+        return f"{self.ns}:last_admission"
+
+    @property
     def control(self) -> str:
         """Stream of notifications producers block on: slots returned, versions, pause/resume."""
         return f"{self.ns}:control"

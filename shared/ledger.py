@@ -3,7 +3,7 @@
 Admission and finishing are Lua scripts, so each is atomic however many producers and trainers race.
 Every admitted group is in `<ns>:inflight` until it ends as exactly one of OUTCOMES (the ZREM decides who got
 there first), which makes the counters reconcile: admitted = trained + stale_dropped + timeout_dropped +
-failed_dropped + worker_lost_dropped + unused_at_end + in flight.
+failed_dropped + worker_lost_dropped + filtered_dropped + unused_at_end + in flight.
 Admission records which worker process owns a group (`<ns>:owners`), so that the groups of a worker whose
 heartbeat expired, or that restarted, are ended in seconds rather than after group_timeout_s.
 The arithmetic is `rollstream.shared.versioning.admission_cap`, repeated in ADMIT_LUA.
@@ -27,23 +27,35 @@ from rollstream.shared.messages import (
     WeightsAnnouncement,
     control_fields,
 )
-from rollstream.shared.redis_io import RESUME_HINT, RedisDataLost, text
+from rollstream.shared.redis_io import RESUME_HINT, RedisDataLost, register_async_script, register_script, text
 
-OUTCOMES = ("trained", "stale_dropped", "timeout_dropped", "failed_dropped", "worker_lost_dropped", "unused_at_end")
+OUTCOMES = ("trained", "stale_dropped", "timeout_dropped", "failed_dropped", "worker_lost_dropped", "filtered_dropped",
+            "unused_at_end")
 """How an admitted group ends. All but trained return the group's slot, so another episode may start.
 worker_lost_dropped: the env-worker that admitted it died (heartbeat expired, or it restarted);
+filtered_dropped: complete, but the trainer's group filter (train_env_manager.group_filter_cls) dropped it;
 unused_at_end: still in flight when the trainer reached max_steps."""
 
 CONTROL_MAXLEN = 1000
 """About how many messages `<ns>:control` keeps (approximate MAXLEN; workers read only new ones). The Lua
 scripts below write the same figure."""
 
-# KEYS: version, counters, inflight, episodes, paused, owners, finished
-# ARGV: groups per batch G, ratio r, group prefix (the group id without its episode index), owner ("" = none)
+# KEYS: version, counters, inflight, episodes, paused, owners, finished, last admissions
+# ARGV: groups per batch G, ratio r, group prefix (the group id without its episode index), owner ("" = none),
+#       request id (one per admission asked for; a retry of the same call carries the same id)
 # Returns {episode, version}; episode -1 = admission paused, -2 = the cap is reached, -3 = experiment finished.
+# A retried call whose first try was admitted (its reply lost to a Redis restart) gets that episode again, while it
+# is in flight, instead of a second slot: the first would sit unplayed until group_timeout_s.
 ADMIT_LUA = """
 local version = tonumber(redis.call('GET', KEYS[1]) or '0')
 if redis.call('EXISTS', KEYS[7]) == 1 then return {-3, version} end
+local last = redis.call('HGET', KEYS[8], ARGV[3])
+if last then
+  local request, episode = string.match(last, '^(%S+) (%d+)$')
+  if request == ARGV[5] and redis.call('ZSCORE', KEYS[3], ARGV[3] .. episode) then
+    return {tonumber(episode), version}
+  end
+end
 if redis.call('EXISTS', KEYS[5]) == 1 then return {-1, version} end
 local admitted = tonumber(redis.call('HGET', KEYS[2], 'admitted') or '0')
 local returned = tonumber(redis.call('HGET', KEYS[2], 'returned') or '0')
@@ -55,6 +67,7 @@ redis.call('HINCRBY', KEYS[2], 'admitted', 1)
 local t = redis.call('TIME')
 redis.call('ZADD', KEYS[3], tonumber(t[1]) + tonumber(t[2]) / 1000000, ARGV[3] .. episode)
 if ARGV[4] ~= '' then redis.call('HSET', KEYS[6], ARGV[3] .. episode, ARGV[4]) end
+redis.call('HSET', KEYS[8], ARGV[3], ARGV[5] .. ' ' .. episode)
 return {episode, version}
 """
 
@@ -129,13 +142,28 @@ return {1, new}
 """
 
 
+# KEYS: inflight, counters
+# ARGV: group ids
+# Admits the groups not yet in flight, outside the cap, and counts them in the same script: a retry after a lost
+# reply admits nothing twice and leaves the counters reconciled.
+REGISTER_LUA = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local added = 0
+for i = 1, #ARGV do added = added + redis.call('ZADD', KEYS[1], 'NX', now, ARGV[i]) end
+if added > 0 then redis.call('HINCRBY', KEYS[2], 'admitted', added) end
+return added
+"""
+
+
 # KEYS: stream, counters
 # ARGV: consumer group, entry ids...
+# Counts the entries it deleted, so a call retried after a lost reply counts nothing twice.
 # allow-oom: acking and deleting frees memory; a MULTI holding HINCRBY would be refused whole at maxmemory.
 ORPHANS_LUA = """#!lua flags=allow-oom
 redis.call('XACK', KEYS[1], ARGV[1], unpack(ARGV, 2))
-redis.call('XDEL', KEYS[1], unpack(ARGV, 2))
-redis.call('HINCRBY', KEYS[2], 'orphan_entries', #ARGV - 1)
+local deleted = redis.call('XDEL', KEYS[1], unpack(ARGV, 2))
+if deleted > 0 then redis.call('HINCRBY', KEYS[2], 'orphan_entries', deleted) end
 """
 
 
@@ -169,13 +197,13 @@ class AsyncAdmissions:
         self.ratio = ratio
         self.owner = owner
         """`owner_tag(rank, incarnation)` of the admitting worker process; "" records no owner."""
-        self._admit = client.register_script(ADMIT_LUA)
+        self._admit = register_async_script(client, ADMIT_LUA)
 
     async def admit(self, group_prefix: str) -> Admission:
         k = self.keys
         episode, version = await self._admit(
-            keys=[k.version, k.counters, k.inflight, k.episodes, k.paused, k.owners, k.finished],
-            args=[self.groups_per_batch, self.ratio, group_prefix, self.owner],
+            keys=[k.version, k.counters, k.inflight, k.episodes, k.paused, k.owners, k.finished, k.last_admission],
+            args=[self.groups_per_batch, self.ratio, group_prefix, self.owner, uuid.uuid4().hex],
         )
         if episode < 0:
             return Admission(None, int(version), finished=episode == -3)
@@ -199,14 +227,15 @@ class Ledger:
     def __init__(self, client: redis.Redis, keys: Keys) -> None:
         self.client = client
         self.keys = keys
-        self._finish = client.register_script(FINISH_LUA)
-        self._commit = client.register_script(COMMIT_LUA)
-        self._orphans = client.register_script(ORPHANS_LUA)
-        self._finish_experiment = client.register_script(FINISH_EXPERIMENT_LUA)
+        self._finish = register_script(client, FINISH_LUA)
+        self._commit = register_script(client, COMMIT_LUA)
+        self._orphans = register_script(client, ORPHANS_LUA)
+        self._finish_experiment = register_script(client, FINISH_EXPERIMENT_LUA)
+        self._register = register_script(client, REGISTER_LUA)
 
     def finish(self, group_id: str, outcome: str, entry_ids: Sequence[bytes | str], *,
-               stream: str | None = None, pipe: redis.client.Pipeline | None = None) -> bool | None:
-        """End a group (once) and ack+delete its entries. With `pipe`, queue it and return None."""
+               stream: str | None = None) -> bool:
+        """End a group (once) and ack+delete its entries; False when it had already ended."""
         if outcome not in OUTCOMES:
             raise ValueError(f"unknown outcome {outcome!r}; expected one of {OUTCOMES}")
         k = self.keys
@@ -214,9 +243,8 @@ class Ledger:
         result = self._finish(
             keys=[k.inflight, k.counters, stream or k.traj, k.control],
             args=[group_id, outcome, return_slot, TRAINER_GROUP, *entry_ids],
-            client=pipe or self.client,
         )
-        return None if pipe is not None else bool(result)
+        return bool(result)
 
     def commit_step(self, trained: Iterable[tuple[str, Sequence[bytes | str]]],
                     announcement: WeightsAnnouncement) -> None:
@@ -249,7 +277,7 @@ class Ledger:
         """Raise what a commit's reply says went wrong: an error reply, or Redis not at version - 1."""
         if isinstance(reply, redis.exceptions.NoScriptError):
             # A pipeline loads its scripts once, before its first try: a Redis restarted before a retry has lost
-            # them. The same call (the same commit id) again, on its own, which loads the script first.
+            # them. The same call (the same commit id) again, on its own, which sends the script if Redis lacks it.
             reply = self._commit(keys=commit.keys, args=commit.args)
         if isinstance(reply, Exception):
             raise reply
@@ -339,13 +367,9 @@ class Ledger:
         """Admit groups outside the cap (replaying a recorded file), so the trainer accepts them.
 
         Groups already in flight are left alone; returns how many were newly admitted."""
-        seconds, micros = self.client.time()
-        now = seconds + micros / 1e6
-        added = int(cast(int, self.client.zadd(self.keys.inflight, {g: now for g in group_ids}, nx=True))) \
-            if group_ids else 0
-        if added:
-            self.client.hincrby(self.keys.counters, "admitted", added)
-        return added
+        if not group_ids:
+            return 0
+        return int(self._register(keys=[self.keys.inflight, self.keys.counters], args=list(group_ids)))
 
 
 # KEYS: counters, inflight. Read in one script so they reconcile; no-writes lets it run at maxmemory, where
@@ -356,7 +380,7 @@ return {redis.call('HGETALL', KEYS[1]), redis.call('ZCARD', KEYS[2])}
 
 
 def read_counters(client: redis.Redis, keys: Keys) -> dict[str, int]:
-    flat, in_flight = client.register_script(READ_COUNTERS_LUA)(keys=[keys.counters, keys.inflight])
+    flat, in_flight = register_script(client, READ_COUNTERS_LUA)(keys=[keys.counters, keys.inflight])
     raw = dict(zip(flat[::2], flat[1::2]))
     counts = {k.decode(): int(v) for k, v in raw.items()}
     counts["in_flight"] = int(in_flight)
@@ -364,7 +388,7 @@ def read_counters(client: redis.Redis, keys: Keys) -> dict[str, int]:
 
 
 def reconciles(counts: dict[str, int]) -> bool:
-    """admitted = trained + stale + timed out + failed + worker lost + unused at end + in flight."""
+    """admitted = trained + stale + timed out + failed + worker lost + filtered + unused at end + in flight."""
     ended = sum(counts.get(o, 0) for o in OUTCOMES)
     return counts.get("admitted", 0) == ended + counts.get("in_flight", 0)
 

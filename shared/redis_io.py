@@ -15,7 +15,7 @@ import logging
 import os
 import ssl
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
@@ -23,7 +23,9 @@ import redis
 import redis.asyncio
 from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import ExponentialBackoff
+from redis.commands.core import AsyncScript, Script
 from redis.connection import HiredisRespSerializer
+from redis.exceptions import NoScriptError
 from redis.retry import Retry
 from redis.utils import HIREDIS_AVAILABLE
 
@@ -35,6 +37,8 @@ T = TypeVar("T")
 URL_ENV = "ROLLSTREAM_REDIS_URL"
 PROBE_TIMEOUT_S = 5.0
 """How long the start-up probe waits for a connection or an answer."""
+CANCEL_AGAIN_S = 0.2
+"""How often `cancel_and_wait` cancels a task again that is still running."""
 
 
 class RedisUnavailable(RuntimeError):
@@ -154,6 +158,49 @@ def _options(cfg: RedisConfig) -> dict[str, object]:
     }
 
 
+# ---- Lua scripts across restarts ----
+
+class RestartSafeScript(Script):
+    """A registered Lua script that survives a Redis restart at any moment.
+
+    redis-py answers NOSCRIPT (a restarted Redis has no scripts) with SCRIPT LOAD, then EVALSHA; a second restart
+    between the two fails the call with NOSCRIPT again, which killed a trainer in the fault tests. EVAL carries
+    the script's text and loads it in the same command, so nothing can come between. A pipeline's scripts are
+    loaded by the pipeline before it runs, as redis-py does."""
+
+    def __call__(self, keys: Any = None, args: Any = None, client: Any = None) -> Any:
+        client = self.registered_client if client is None else client
+        if isinstance(client, redis.client.Pipeline):
+            return super().__call__(keys, args, client)
+        keys, args = list(keys or []), list(args or [])
+        try:
+            return client.evalsha(self.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            return client.eval(self.script, len(keys), *keys, *args)
+
+
+class AsyncRestartSafeScript(AsyncScript):
+    """`RestartSafeScript` for an asyncio client."""
+
+    async def __call__(self, keys: Any = None, args: Any = None, client: Any = None) -> Any:
+        client = self.registered_client if client is None else client
+        if isinstance(client, redis.asyncio.client.Pipeline):
+            return await super().__call__(keys, args, client)
+        keys, args = list(keys or []), list(args or [])
+        try:
+            return await client.evalsha(self.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            return await client.eval(self.script, len(keys), *keys, *args)
+
+
+def register_script(client: redis.Redis, script: str) -> RestartSafeScript:
+    return RestartSafeScript(client, script)
+
+
+def register_async_script(client: redis.asyncio.Redis, script: str) -> AsyncRestartSafeScript:
+    return AsyncRestartSafeScript(client, script)
+
+
 # ---- connecting ----
 
 def connect(url: str, cfg: RedisConfig) -> redis.Redis:
@@ -239,6 +286,24 @@ def _unreachable(url: str, e: BaseException) -> str:
         hint = "check that the server is running and reachable from this host and the host/port in the URL"
     return (f"cannot reach Redis at {redact(url)} ({detail}). {hint}. The URL comes from ${URL_ENV} if set, else "
             "from redis.url in the config; leave both unset to start an embedded server.")
+
+
+# ---- stopping tasks that talk to Redis ----
+
+async def cancel_and_wait(tasks: Iterable[asyncio.Future[Any]], timeout_s: float) -> set[asyncio.Future[Any]]:
+    """Cancel `tasks` and wait up to `timeout_s` for them to end; returns those still running then.
+
+    redis-py can swallow a cancellation that lands inside a command (redis/redis-py#2028, #2551): the task then
+    goes on, and a loop around the command never ends. A task still running is cancelled again every
+    CANCEL_AGAIN_S, which lands at its next await."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    pending = {t for t in tasks if not t.done()}
+    while pending and (left := deadline - loop.time()) > 0:
+        for task in pending:
+            task.cancel()
+        _, pending = await asyncio.wait(pending, timeout=min(CANCEL_AGAIN_S, left))
+    return pending
 
 
 # ---- a full Redis ----

@@ -85,6 +85,9 @@ ROLL_KEYS: tuple[RollKey, ...] = (
             "continuously (notice), as in ROLL"),
     *(RollKey(f"<env_manager>.{k}", "honoured", "same meaning") for k in (
         "max_env_num_per_worker", "num_env_groups", "group_size", "tags", "num_groups_partition")),
+    RollKey("<env_manager>.group_filter_cls", "honoured", "train_env_manager only: a class by import path "
+            "`package.module:Class` with filter(group_id, trajectories) (true drops, as ROLL's), or the built-in "
+            "no_advantage; ROLL's default GroupFilter (keeps every group) reads as unset"),
     *(RollKey(f"custom_envs.<tag>.{k}", "honoured", "same meaning") for k in (
         "env_type", "env_config", "max_tokens_per_step", "max_actions_per_traj")),
     RollKey("custom_envs.<tag>.env_manager_cls", "mapped", "one env loop for every env (producer/episode.py)"),
@@ -107,6 +110,7 @@ _MAPPED_TOP = {k.key: k.note for k in ROLL_KEYS if k.status == "mapped" and "." 
 _REFUSED_TOP = {k.key: k.note for k in ROLL_KEYS if k.status == "refused" and "." not in k.key}
 _ENV_NOTES = {k.key.removeprefix("custom_envs.<tag>."): k for k in ROLL_KEYS
               if k.key.startswith("custom_envs.<tag>.") and k.status != "honoured"}
+ROLL_DEFAULT_GROUP_FILTER = "roll.pipeline.agentic.agentic_pipeline.GroupFilter"
 _MEGATRON_PARALLEL = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
                       "expert_model_parallel_size", "virtual_pipeline_model_parallel_size")
 
@@ -126,6 +130,11 @@ def translate(data: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     for role in ("actor_train", "actor_infer"):
         if isinstance(out.get(role), dict):
             out[role] = _translate_worker(role, out[role], out, notices)
+    for manager in ("train_env_manager", "val_env_manager"):
+        if isinstance(out.get(manager), dict) and out[manager].get("group_filter_cls") == ROLL_DEFAULT_GROUP_FILTER:
+            out[manager] = {k: v for k, v in out[manager].items() if k != "group_filter_cls"}
+            notices.append(f"{manager}.group_filter_cls={ROLL_DEFAULT_GROUP_FILTER!r}: ROLL's default keeps every "
+                           "group; unset")
     if isinstance(out.get("custom_envs"), dict):
         out["custom_envs"] = {tag: _translate_env(tag, entry, notices) for tag, entry in out["custom_envs"].items()}
     if out.get("adv_estimator") == "gae":

@@ -22,12 +22,13 @@ def _cfg(tmp_path: Path, *extra: str):
                            "train_env_manager.max_env_num_per_worker=4", *extra)
 
 
-def _write_groups(client: redis.Redis, groups: list[int], *, version: int = 0, members=range(GROUP_SIZE)) -> None:
+def _write_groups(client: redis.Redis, groups: list[int], *, version: int = 0, members=range(GROUP_SIZE),
+                  scores: tuple[float, ...] = (1.0,) * GROUP_SIZE) -> None:
     keys = Keys.for_exp("b")
     Ledger(client, keys).register([make_traj(g, 0, 0).group_id for g in groups])
     for g in groups:
         for m in members:
-            client.xadd(keys.traj, encode_trajectory(make_traj(g, 0, m, version=version)))
+            client.xadd(keys.traj, encode_trajectory(make_traj(g, 0, m, version=version, score=scores[m])))
 
 
 def test_restart_rereads_pending_so_nothing_is_lost_or_used_twice(tmp_path, redis_client) -> None:
@@ -78,6 +79,19 @@ def test_undecodable_entries_go_to_the_dead_letter_stream(tmp_path, redis_client
     assert len(dead) == 2
     assert b"not valid msgpack" in dead[0][1][b"reason"] and dead[0][1][b"orig:payload"] == b"\x93garbage"
     assert b"no binary 'payload'" in dead[1][1][b"reason"]
+
+
+def test_a_dead_letter_or_an_orphan_ack_sent_twice_counts_once(tmp_path, redis_client) -> None:
+    """What redis-py does after a lost reply (a dropped connection): the same call again."""
+    keys = Keys.for_exp("b")
+    bad, late = redis_client.xadd(keys.traj, {"hello": "world"}), redis_client.xadd(keys.traj, {"x": "y"})
+    batcher = Batcher(redis_client, _cfg(tmp_path))
+    for _ in range(2):
+        batcher.reader.dead_letter(bad, {b"hello": b"world"}, "no payload")
+        batcher.ledger.ack_orphans([late])
+    assert redis_client.xlen(keys.dead) == 1 and redis_client.xlen(keys.traj) == 0
+    counters = batcher.ledger.counters()
+    assert (counters["dead_letters"], counters["orphan_entries"]) == (1, 1)
 
 
 def test_drop_notice_ends_the_group_and_returns_its_slot(tmp_path, redis_client) -> None:
@@ -143,3 +157,40 @@ def test_entries_of_a_read_ahead_whose_reply_was_lost_are_read_again(tmp_path, r
     assert batch is not None and sorted(g.group_id for g in batch.groups) == [make_traj(g).group_id for g in (0, 1)]
     batcher.commit(batch, WeightsAnnouncement(1))
     assert redis_client.xlen(Keys.for_exp("b").traj) == 0
+
+
+def test_the_group_filter_drops_groups_without_advantage_and_returns_their_slots(tmp_path, redis_client) -> None:
+    cfg = _cfg(tmp_path, "train_env_manager.group_filter_cls=no_advantage")
+    keys = Keys.for_exp("b")
+    _write_groups(redis_client, [0])  # every member scored 1.0: nothing to learn
+    _write_groups(redis_client, [1], scores=(0.0, 0.0))  # nor here
+    _write_groups(redis_client, [2, 3], scores=(0.0, 1.0))
+    batcher = Batcher(redis_client, cfg)
+    batch = batcher.next_batch(0, timeout_s=5)
+    assert {g.group_id for g in batch.groups} == {make_traj(2).group_id, make_traj(3).group_id}
+    assert batch.dropped["filtered_dropped"] == 2 and batch.dropped["filtered_all_success"] == 1
+    counts = batcher.ledger.counters()
+    assert counts["filtered_dropped"] == 2 and counts["returned"] == 2 and reconciles(counts)
+    assert redis_client.xlen(keys.traj) == 4  # the filtered groups' entries are acked and deleted
+
+    redis_client.xadd(keys.traj, encode_trajectory(make_traj(0, 0, 1)))  # a late copy of a filtered member
+    batcher.commit(batch, WeightsAnnouncement(1))
+    assert batcher.next_batch(1, timeout_s=0.5) is None
+    counts = batcher.ledger.counters()
+    assert counts["trained"] == 2 and counts["orphan_entries"] == 1 and reconciles(counts)
+    assert redis_client.xlen(keys.traj) == 0
+
+
+def test_the_group_filter_lets_groups_through_past_its_limit(tmp_path, redis_client) -> None:
+    """group_filter_max_batches=1 with 2 groups per batch: two groups filtered, then the batch fills unfiltered."""
+    cfg = _cfg(tmp_path, "train_env_manager.group_filter_cls=no_advantage",
+               "train_env_manager.group_filter_max_batches=1")
+    _write_groups(redis_client, [0, 1, 2, 3, 4, 5])
+    batcher = Batcher(redis_client, cfg)
+    batch = batcher.next_batch(0, timeout_s=5)
+    assert {g.group_id for g in batch.groups} == {make_traj(2).group_id, make_traj(3).group_id}
+    assert batch.dropped["filtered_dropped"] == 2 and batch.dropped["filter_bypassed"] == 2
+    batcher.commit(batch, WeightsAnnouncement(1))
+    second = batcher.next_batch(1, timeout_s=0.5)  # groups 4 and 5 were read ahead: the next batch filters them
+    assert second is None and batcher.ledger.counters()["filtered_dropped"] == 4
+    assert reconciles(batcher.ledger.counters())

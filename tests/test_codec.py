@@ -152,3 +152,30 @@ def test_every_trajectory_field_of_the_wrong_type_is_refused_by_name(name: str, 
     payload = msgpack.packb(message, use_bin_type=True)
     with pytest.raises(CodecError, match=name):
         decode_entry({b"payload": payload})
+
+
+def test_what_producers_write_takes_the_typed_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The trainer decodes every entry: a well-formed schema 2 trajectory (an invalid reply's None action, an
+    integer reward, a negative seed) must not need the general path, which is ~3x slower."""
+    traj = make_traj(3, 7, 2, version=5)
+    traj.seed = -1
+    traj.turns[0].action, traj.turns[0].action_is_valid, traj.turns[0].reward = None, False, -0.1
+    traj.turns[1].reward = 1
+    fields = _as_redis_returns(encode_trajectory(traj))
+
+    def general_path(raw: bytes) -> None:
+        raise AssertionError("a well-formed trajectory went to the general path")
+
+    monkeypatch.setattr("rollstream.shared.codec._decode_any", general_path)
+    back = decode_entry(fields)
+    assert isinstance(back, Trajectory) and back.turns == traj.turns and back.seed == -1
+
+
+def test_the_typed_schema_has_the_general_paths_fields() -> None:
+    """The typed decoder and the general path (and the encoder) name the same fields in the same order: a field
+    added to one only would send every entry down the slow path, or decode it without the new field."""
+    from rollstream.shared import codec
+
+    expected = (*codec._TRAJ_FIELDS, "turns", *codec._ARRAY_FIELDS)
+    assert codec._TrajBody.__struct_fields__ == expected
+    assert len(codec._TurnRow.__args__) == len(codec._TURN_FIELDS)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -17,6 +18,7 @@ import psutil
 import redis
 from PIL import Image
 
+from rollstream.consumer.data.group_filters import NoAdvantageFilter
 from rollstream.consumer.train import run_trainer
 from rollstream.shared.codec import decode_entry
 from rollstream.shared.config import dump_config
@@ -65,6 +67,31 @@ def test_run_trains_on_complete_groups_that_match_the_layout(tmp_path: Path) -> 
     assert list((out / "wandb").glob("offline-run-*"))
     assert {p.name for p in (out / "logs").iterdir()} == {"producer-0.log", "producer-1.log"}
     assert not _leftover_processes(out)
+
+
+def test_a_run_with_the_group_filter_trains_only_groups_with_an_advantage(tmp_path: Path) -> None:
+    """Dynamic sampling through real processes: random play on FrozenLake leaves many groups all failed; they end
+    as filtered_dropped, new episodes take their slots, and every trained group has an advantage unless the
+    trainer said it let that group through at the filter's limit."""
+    record = tmp_path / "trained.msgpack"
+    overrides = [f"output_dir={tmp_path / 'out'}", "max_steps=4", f"record_to={record}", "wandb_mode=disabled",
+                 "train_env_manager.group_filter_cls=no_advantage", "adv_estimator=grpo",
+                 "actor_infer.strategy_args.strategy_config.invalid_reply_rate=0"]
+    proc = subprocess.run([sys.executable, "-m", "rollstream", "run", str(CONFIG), *overrides], env=_env(),
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    cfg = scripted_config(tmp_path, *overrides)
+    groups: dict[str, list] = {}
+    for t in sorted((decode_entry(r) for r in read_records(record)), key=lambda t: t.member):
+        groups.setdefault(t.group_id, []).append(t)
+    assert len(groups) == 4 * cfg.groups_per_batch
+    no_advantage = NoAdvantageFilter(cfg)
+    unfiltered = sum(no_advantage.filter(g, trajs) for g, trajs in groups.items())
+    steps = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert unfiltered == sum(m.get("groups/step_filter_bypassed", 0) for m in steps)
+    filtered = sum(m.get("groups/step_filtered_dropped", 0) for m in steps)
+    assert filtered > 0, "random play should leave some groups without an advantage"
 
 
 def _leftover_processes(marker: Path) -> list[psutil.Process]:

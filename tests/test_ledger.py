@@ -61,6 +61,15 @@ def test_commit_step_marks_trained_publishes_and_acks(redis_client) -> None:
     assert ledger.counters() == {"admitted": 1, "trained": 1, "in_flight": 0}
 
 
+def test_registering_groups_again_admits_only_the_new_ones(redis_client) -> None:
+    """A replayed file registered twice, or a register retried after a lost reply: nothing admitted twice."""
+    ledger = Ledger(redis_client, KEYS)
+    assert ledger.register(["train/A/g0/e0", "train/A/g1/e0"]) == 2
+    assert ledger.register(["train/A/g1/e0", "train/A/g2/e0"]) == 1
+    assert ledger.counters() == {"admitted": 3, "in_flight": 3}
+    assert reconciles(ledger.counters())
+
+
 def test_staleness_rule() -> None:
     assert not is_stale(group_version=3, step=4, ratio=1)
     assert is_stale(group_version=2, step=4, ratio=1)

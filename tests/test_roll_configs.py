@@ -127,6 +127,12 @@ def test_megatron_parallelism_is_refused_with_the_deepspeed_way(tmp_path: Path) 
         load_config(path)
 
 
+def test_rolls_default_group_filter_reads_as_keeping_every_group() -> None:
+    loaded = load(SCRIPTED, ["train_env_manager.group_filter_cls=roll.pipeline.agentic.agentic_pipeline.GroupFilter"])
+    assert loaded.cfg.train_env_manager.group_filter_cls is None
+    assert "ROLL's default keeps every group" in _notice(loaded.notices, "train_env_manager.group_filter_cls=")
+
+
 def test_max_new_tokens_caps_every_reply() -> None:
     cfg = load_config(SCRIPTED, ["actor_infer.generating_args.max_new_tokens=16"])
     assert cfg.custom_envs["FrozenLake"].max_tokens_per_step == 64

@@ -30,6 +30,8 @@ class Group:
     version: int = 0
     """The oldest policy version among the members' tokens: what the staleness filter looks at (kept by `add`,
     not recomputed: the trainer checks every ready group at every poll)."""
+    passed_filter: bool = False
+    """The trainer's group filter kept it (or let it through at its limit): not asked again."""
 
     def add(self, traj: Trajectory) -> None:
         """Take `traj` as its member (the one way members are written, so `version` stays true)."""

@@ -1,7 +1,8 @@
 """From the trajectory stream to batches of complete, fresh-enough GRPO groups.
 
-Reads entries, routes producers' drop notices, assembles groups, drops groups that are stale at this step
-or timed out, and hands out a batch once G = rollout_batch_size / group_size complete groups are in hand.
+Reads entries, routes producers' drop notices, assembles groups, drops groups that are stale at this step,
+timed out or refused by the group filter, and hands out a batch once G = rollout_batch_size / group_size
+complete groups are in hand.
 Nothing is acknowledged here except what is dropped: a batch's entries are acknowledged by `commit`, after
 the train step that used them.
 """
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 import redis
 
 from rollstream.consumer.data.assembler import Added, Group, GroupAssembler
+from rollstream.consumer.data.group_filters import make_group_filter
 from rollstream.consumer.data.reader import Entry, StreamReader
 from rollstream.shared.config import RollstreamConfig
 from rollstream.shared.keys import Keys
@@ -37,10 +39,11 @@ quarter of its timeout (or a second) late, and a trainer polling a busy stream d
 class Batch:
     step: int
     groups: list[Group]
-    wait_s: float = 0.0
     dropped: Counter[str] = field(default_factory=Counter)
-    """Groups dropped while this batch was gathered, by outcome (stale_dropped, timeout_dropped, ...), and the
-    trajectories delivered twice (`duplicate_trajectories`, de-duplicated by trajectory id)."""
+    """Groups dropped while this batch was gathered, by outcome (stale_dropped, timeout_dropped, ...), the
+    trajectories delivered twice (`duplicate_trajectories`, de-duplicated by trajectory id), the filtered groups
+    whose every member succeeded (`filtered_all_success`), and the groups the filter would have dropped but let
+    through at its limit (`filter_bypassed`)."""
 
     @property
     def trajectories(self) -> list[Trajectory]:
@@ -63,16 +66,22 @@ class Batcher:
         """Groups whose worker looked gone at the last check: ended if still so at the next one."""
         self._last_stranded_check = 0.0
         self._next_timeout_check = 0.0
+        self.group_filter = make_group_filter(cfg)
+        self._filter_limit = cfg.train_env_manager.group_filter_max_batches * self.groups_per_batch
+        self._filtered = 0
+        """Groups filtered out since the last batch was handed out."""
 
     def next_batch(self, step: int, *, timeout_s: float | None = None) -> Batch | None:
         """Block until G usable complete groups are in hand (None if `timeout_s` passes first)."""
         start = time.monotonic()
         while True:
             self._drop_stale(step)
+            self._filter_ready()
             if len(self.assembler.ready) >= self.groups_per_batch:
                 groups = self.assembler.take_oldest(self.groups_per_batch)
                 dropped, self._dropped = self._dropped, Counter()
-                return Batch(step, groups, time.monotonic() - start, dropped)
+                self._filtered = 0
+                return Batch(step, groups, dropped)
             if timeout_s is not None and time.monotonic() - start > timeout_s:
                 return None
             self.poll_once()
@@ -144,6 +153,44 @@ class Batcher:
                     self.reader.dead_letter(entry.entry_id, {b"traj_id": item.traj_id.encode()}, str(e))
         self.ledger.ack_orphans(orphans)
 
+    def _filter_ready(self) -> None:
+        """Run the group filter over the oldest ready groups it has not seen, until this batch's G have passed:
+        groups read ahead wait, unfiltered, for the next batch (whose limit they count against)."""
+        if self.group_filter is None:
+            return
+        passed = 0
+        for group in list(self.assembler.ready.values()):  # oldest first; `_filter` may drop as it goes
+            if passed >= self.groups_per_batch:
+                return
+            if group.passed_filter or not self._filter(group):
+                group.passed_filter = True
+                passed += 1
+
+    def _filter(self, group: Group) -> bool:
+        """True when the filter dropped `group` (a ready group)."""
+        assert self.group_filter is not None
+        try:
+            drop = self.group_filter.filter(group.group_id, group.trajectories)
+        except Exception as e:
+            raise RuntimeError(f"train_env_manager.group_filter_cls={self.cfg.train_env_manager.group_filter_cls!r} "
+                               f"raised on group {group.group_id}: {type(e).__name__}: {e} (nothing was "
+                               "acknowledged: fix the filter and restart the trainer)") from e
+        if not drop:
+            return False
+        if self._filtered >= self._filter_limit:
+            if not self._dropped["filter_bypassed"]:
+                log.warning("the group filter dropped %d groups while this batch was gathered "
+                            "(train_env_manager.group_filter_max_batches=%d): the rest of the batch is taken "
+                            "unfiltered", self._filtered, self.cfg.train_env_manager.group_filter_max_batches)
+            self._dropped["filter_bypassed"] += 1
+            return False
+        self._filtered += 1
+        # rollout/success counts trained groups only; this says how many of the filtered ones were solved
+        if all(t.success for t in group.trajectories):
+            self._dropped["filtered_all_success"] += 1
+        self._drop(group.group_id, "filtered_dropped", "the group filter dropped it", level=logging.DEBUG)
+        return True
+
     def expire_timed_out(self) -> None:
         """Drop in-flight groups older than group_timeout_s that are not complete (their producer died)."""
         for group_id in self.ledger.expired(self.cfg.group_timeout_s):
@@ -167,13 +214,13 @@ class Batcher:
                 self._drop(group_id, "worker_lost_dropped", f"env-worker {rank} is gone (heartbeat expired or "
                            "restarted)")
 
-    def _drop(self, group_id: str, outcome: str, reason: str) -> None:
-        self._end(group_id, outcome, self.assembler.discard(group_id), reason)
+    def _drop(self, group_id: str, outcome: str, reason: str, level: int = logging.INFO) -> None:
+        self._end(group_id, outcome, self.assembler.discard(group_id), reason, level)
 
-    def _end(self, group_id: str, outcome: str, entry_ids: list[bytes], reason: str) -> None:
+    def _end(self, group_id: str, outcome: str, entry_ids: list[bytes], reason: str, level: int = logging.INFO) -> None:
         if self.ledger.finish(group_id, outcome, entry_ids):
             self._dropped[outcome] += 1
-            log.info("group %s %s: %s", group_id, outcome, reason)
+            log.log(level, "group %s %s: %s", group_id, outcome, reason)
 
     def commit(self, batch: Batch, announcement: WeightsAnnouncement) -> None:
         """After the train step: the batch's groups are trained, their entries acked and deleted,

@@ -17,7 +17,7 @@ import redis
 
 from rollstream.shared.codec import CodecError, decode_entry
 from rollstream.shared.keys import TRAINER_GROUP, Keys
-from rollstream.shared.redis_io import StreamReplies
+from rollstream.shared.redis_io import StreamReplies, register_script
 from rollstream.shared.schema import GroupDropNotice, Trajectory
 
 log = logging.getLogger(__name__)
@@ -29,12 +29,14 @@ DEAD_FIELD_BYTES = 1024
 
 # KEYS: dead-letter stream, source stream, counters
 # ARGV: consumer group, entry id, maxlen, then the dead letter's field/value pairs
+# Only an entry still in the source stream is moved: a call retried after a lost reply adds no second letter.
 # allow-oom: moving an entry to the capped dead stream, truncated, frees memory; it must run at maxmemory.
 DEAD_LETTER_LUA = """#!lua flags=allow-oom
-redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[3], '*', unpack(ARGV, 4))
 redis.call('XACK', KEYS[2], ARGV[1], ARGV[2])
-redis.call('XDEL', KEYS[2], ARGV[2])
-redis.call('HINCRBY', KEYS[3], 'dead_letters', 1)
+if redis.call('XDEL', KEYS[2], ARGV[2]) == 1 then
+  redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[3], '*', unpack(ARGV, 4))
+  redis.call('HINCRBY', KEYS[3], 'dead_letters', 1)
+end
 """
 
 # KEYS: stream. ARGV: consumer group. Returns 1 when created, 0 when it existed.
@@ -70,8 +72,8 @@ class StreamReader:
         """The last read of new entries returned less than a full page: the backlog has been read."""
         self.rereading = False
         """The last read returned pending entries (ones this consumer may already hold)."""
-        self._dead_letter = client.register_script(DEAD_LETTER_LUA)
-        self._ensure_group = client.register_script(ENSURE_GROUP_LUA)
+        self._dead_letter = register_script(client, DEAD_LETTER_LUA)
+        self._ensure_group = register_script(client, ENSURE_GROUP_LUA)
         self.ensure_group()
 
     def ensure_group(self) -> None:

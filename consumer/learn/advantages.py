@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from rollstream.shared.config import AdvEstimator, StdNormalize, choices
+from rollstream.shared.config import AdvEstimator, RollstreamConfig, StdNormalize, choices
 from rollstream.shared.schema import Trajectory
 
 ESTIMATORS = choices(AdvEstimator)
@@ -42,6 +42,10 @@ class AdvantageSettings:
     step_weight: float = 1.0
     """GiGPO: omega in A = A_episode + omega * A_step."""
 
+    @classmethod
+    def from_config(cls, cfg: RollstreamConfig) -> AdvantageSettings:
+        return cls(cfg.adv_estimator, cfg.adv_std_normalize, cfg.adv_std_floor, cfg.gamma, cfg.gigpo_step_weight)
+
     def __post_init__(self) -> None:
         if self.estimator not in ESTIMATORS:
             raise ValueError(f"estimator={self.estimator!r}: must be one of {', '.join(ESTIMATORS)}")
@@ -54,6 +58,10 @@ class AdvantageSettings:
 def normalize(values: np.ndarray, std_normalize: str, std_floor: float) -> np.ndarray:
     """Centre `values` on their mean and, in mode "group", scale by their std floored at `std_floor`."""
     values = np.asarray(values, np.float64)
+    if values.size and (values == values[0]).all():
+        # exactly zero, not the rounding of the mean (0.1 x 3 centres to ~1e-17, scaled to ~1e-11 by the floor):
+        # the learner skips rows whose advantages are zero, and the no_advantage filter drops such groups
+        return np.zeros_like(values)
     centred = values - values.mean()
     if std_normalize == "none":
         return centred

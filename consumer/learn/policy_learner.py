@@ -2,10 +2,10 @@
 
 A train step reads top to bottom: advantages per trajectory -> padded token tensors -> (recomputed old and
 reference logprobs) -> for each PPO epoch, for each shuffled mini-batch: micro-batches sized by a token budget,
-forward, loss, backward; one optimizer step per mini-batch. The update is planned first (`plan_shards`: which
-rows each optimizer step trains on, split over the ranks) and then run (`run_shard`), which only sees tensors and a
-strategy: in one process the plan has one shard; with several ranks (`distributed`) rank 0 plans and every rank
-runs its own shard.
+forward, loss, backward; one optimizer step per mini-batch (`early_stop_kl` may end the step sooner). The update
+is planned first (`plan_shards`: which rows each optimizer step trains on, split over the ranks) and then run
+(`run_shard`), which only sees tensors and a strategy: in one process the plan has one shard; with several ranks
+(`distributed`) rank 0 plans and every rank runs its own shard.
 
 Old logprobs (the anchor of the PPO ratio), `old_logprobs`:
 - "engine" (default): the inference engine's logprobs of the sampled tokens, i.e. the behaviour policy mu that
@@ -89,6 +89,8 @@ class UpdateSettings:
     """PPO clip range above 1 (`pg_clip_high` with `use_pg_clip_range`); None: the same as `clip_eps`."""
     skip_zero_advantage: bool = False
     """Run no forward or backward on rows whose gradient is exactly zero (see `rows_with_gradient`)."""
+    early_stop_kl: float | None = None
+    """A mini-batch whose approximate KL (before its update) exceeds this ends the train step untrained."""
 
     @property
     def zero_advantage_rows_have_no_gradient(self) -> bool:
@@ -105,12 +107,8 @@ class UpdateSettings:
         low, high = cfg.pg_clip_range
         return cls(low, cfg.is_ratio_cap, cfg.old_logprobs, cfg.init_kl_coef, cfg.entropy_loss_coef,
                    cfg.ppo_epochs, minibatch_size(cfg), args.per_device_train_batch_size,
-                   args.max_tokens_per_microbatch, cfg.actor_train.infer_batch_size, high, cfg.skip_zero_advantage)
-
-
-def advantage_settings(cfg: RollstreamConfig) -> AdvantageSettings:
-    return AdvantageSettings(cfg.adv_estimator, cfg.adv_std_normalize, cfg.adv_std_floor, cfg.gamma,
-                             cfg.gigpo_step_weight)
+                   args.max_tokens_per_microbatch, cfg.actor_train.infer_batch_size, high, cfg.skip_zero_advantage,
+                   cfg.early_stop_kl)
 
 
 class PolicyLearner:
@@ -120,7 +118,7 @@ class PolicyLearner:
         self.cfg = cfg
         self.strategy = strategy
         self.settings = UpdateSettings.from_config(cfg)
-        self.advantages = advantage_settings(cfg)
+        self.advantages = AdvantageSettings.from_config(cfg)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.pretrain)
         self.weights_dir = Path(cfg.output_dir) / "weights"
         self.generator = torch.Generator().manual_seed(cfg.seed)
@@ -295,6 +293,10 @@ class Tally:
     lrs: list[float] = field(default_factory=list)
     tokens_seen: int = 0
     """Every token the model ran forward and backward on, prompts included (for tokens_per_s)."""
+    minibatch_kl_sums: list[tuple[float, float]] = field(default_factory=list)
+    """Each mini-batch's (approximate KL sum, response tokens), as measured before its update; summed over the ranks
+    with the rest at the end, so without `early_stop_kl` a step adds no collective of its own."""
+    stopped_early: bool = False
 
     def add_microbatch(self, sums: dict[str, torch.Tensor], part: TokenBatch) -> None:
         for key, value in sums.items():
@@ -313,13 +315,17 @@ class Tally:
         """Sum the token sums of every rank (grad norms and lrs are global already), so metrics cover the batch."""
         keys = sorted(TALLY_KEYS)
         present = [1.0 if k in self.sums else 0.0 for k in keys]  # is_weight and kl exist only in some modes
-        sums = torch.tensor([self.sums.get(k, 0.0) for k in keys] + [float(self.tokens_seen)], dtype=torch.float64,
-                            device=device)
+        steps = [x for pair in self.minibatch_kl_sums for x in pair]  # as many mini-batches on every rank
+        sums = torch.tensor([self.sums.get(k, 0.0) for k in keys] + [float(self.tokens_seen)] + steps,
+                            dtype=torch.float64, device=device)
         most = torch.tensor(present + [self.ratio_max], dtype=torch.float64, device=device)
         torch.distributed.all_reduce(sums, op=torch.distributed.ReduceOp.SUM)
         torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
-        self.sums = defaultdict(float, {k: float(v) for k, v, p in zip(keys, sums[:-1], most[:-1]) if p > 0})
-        self.tokens_seen = int(sums[-1])
+        totals = sums.tolist()
+        self.sums = defaultdict(float, {k: v for k, v, p in zip(keys, totals, most[:-1]) if p > 0})
+        self.tokens_seen = int(totals[len(keys)])
+        reduced = totals[len(keys) + 1:]
+        self.minibatch_kl_sums = list(zip(reduced[::2], reduced[1::2]))
         self.ratio_max = float(most[-1])
 
     def metrics(self, update_s: float) -> dict[str, float]:
@@ -335,6 +341,8 @@ class Tally:
             "actor/ratio_max": self.ratio_max,
             "actor/grad_norm": float(np.mean(self.grad_norms)) if self.grad_norms else 0.0,
             "actor/optimizer_steps": float(len(self.grad_norms)),
+            "actor/approx_kl_max": max((kl / n for kl, n in self.minibatch_kl_sums if n > 0), default=0.0),
+            "actor/early_stopped": float(self.stopped_early),
             "actor/tokens_per_s": self.tokens_seen / update_s if update_s > 0 else 0.0,
         }
         if self.lrs:
@@ -342,6 +350,15 @@ class Tally:
         if "is_weight" in self.sums:
             out["actor/is_weight_mean"] = self.sums["is_weight"] / n
         return out
+
+
+def minibatch_kl(kl_sum: float, tokens: float, device: torch.device) -> float:
+    """One mini-batch's token-mean approximate KL over all ranks, so that every rank takes the same early stop."""
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        both = torch.tensor([kl_sum, tokens], dtype=torch.float64, device=device)
+        torch.distributed.all_reduce(both, op=torch.distributed.ReduceOp.SUM)
+        kl_sum, tokens = both.tolist()
+    return kl_sum / tokens if tokens > 0 else 0.0
 
 
 def ppo_update(strategy: TrainStrategy, tokens: TokenBatch, settings: UpdateSettings, generator: torch.Generator,
@@ -376,6 +393,7 @@ def run_shard(strategy: TrainStrategy, shard: Shard, settings: UpdateSettings,
 
     tally = Tally()
     for step in shard.steps:
+        kl_before, tokens_before = tally.sums["approx_kl"], tally.sums["tokens"]
         # Every micro-batch's loss is divided by the mini-batch's token count: accumulated, a token mean.
         for rows in step.microbatches:
             part = tokens.rows(rows).to(strategy.device)
@@ -385,6 +403,13 @@ def run_shard(strategy: TrainStrategy, shard: Shard, settings: UpdateSettings,
         for _ in range(step.num_microbatches - len(step.microbatches)):
             # Zero weight, but a real backward: every parameter gets a (zero) gradient, so ZeRO's hooks fire.
             strategy.backward(idle_logits(strategy.forward, strategy.device).sum() * 0.0)
+        kl_sum, kl_tokens = tally.sums["approx_kl"] - kl_before, tally.sums["tokens"] - tokens_before
+        tally.minibatch_kl_sums.append((kl_sum, kl_tokens))
+        limit = settings.early_stop_kl
+        if limit is not None and minibatch_kl(kl_sum, kl_tokens, strategy.device) > limit:
+            strategy.discard_gradients()
+            tally.stopped_early = True
+            break
         tally.add_step(strategy.lr, strategy.optimizer_step())
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
         tally.all_reduce(strategy.device)

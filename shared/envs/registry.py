@@ -9,16 +9,15 @@ The constructor is called as `Class(**env_config, max_actions_per_traj=...)`.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from collections.abc import Mapping
-from functools import reduce
 from typing import Any
 
 from rollstream.shared.config import PRESETS, XSB_VOCAB, CustomEnvConfig, default_custom_envs
 from rollstream.shared.envs.base import TextEnv, check_positive_int
 from rollstream.shared.envs.frozen_lake import FrozenLakeEnv
 from rollstream.shared.envs.sokoban import SokobanEnv
+from rollstream.shared.imports import import_object, is_import_path
 
 __all__ = ["PRESETS", "XSB_VOCAB", "default_custom_envs", "known_env_types", "make_env", "resolve_env_type"]
 
@@ -33,20 +32,12 @@ def resolve_env_type(env_type: str) -> type[TextEnv]:
     """The env class for a registered name or a `package.module:ClassName` import path."""
     if env_type in ENV_TYPES:
         return ENV_TYPES[env_type]
-    module_name, sep, attr = env_type.partition(":")
-    if not sep or not module_name or not attr:
+    if not is_import_path(env_type):
         raise ValueError(
             f"unknown env_type {env_type!r}; registered types: {', '.join(known_env_types())}, "
             "or an import path 'package.module:ClassName' to a TextEnv subclass"
         )
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"env_type {env_type!r}: cannot import module {module_name!r} ({e})") from e
-    try:
-        cls = reduce(getattr, attr.split("."), module)
-    except AttributeError as e:
-        raise ValueError(f"env_type {env_type!r}: module {module_name!r} has no attribute {attr!r}") from e
+    cls = import_object(env_type, "env_type")
     if not (isinstance(cls, type) and issubclass(cls, TextEnv)):
         raise ValueError(f"env_type {env_type!r} is {cls!r}, not a subclass of rollstream.shared.envs.base.TextEnv")
     return cls

@@ -62,6 +62,16 @@ class FaultRedis(EmbeddedRedis):
     def client(self, **options: Any) -> redis.Redis:
         return redis.Redis.from_url(self.url, **({"socket_timeout": 30} | options))
 
+    def version(self, ns: str = "rollstream:faults") -> int:
+        """The published policy version of experiment `ns`; -1 while the server is down or stopped."""
+        client = self.client(socket_timeout=2)
+        try:
+            return int(client.get(f"{ns}:version") or 0)
+        except Exception:  # down or stopped: not there yet
+            return -1
+        finally:
+            client.close()
+
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
             self.resume()  # a stopped server cannot act on SIGTERM
@@ -141,6 +151,10 @@ class Job:
 
     def log(self, name: str) -> str:
         return (self.logs / f"{name}.log").read_text(errors="replace")
+
+    def log_tails(self, chars: int = 2500) -> str:
+        """The end of every process's log, for a failure message that says where each one stood."""
+        return "\n".join(f"--- {name}:\n{self.log(name)[-chars:]}" for name in self.procs)
 
     def wait_trainer(self, timeout_s: float) -> int:
         try:

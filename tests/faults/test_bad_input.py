@@ -178,6 +178,10 @@ def test_the_dead_letter_stream_is_capped(fault_redis: FaultRedis) -> None:
     client = fault_redis.client()
     keys = Keys.for_exp("faults")
     reader = StreamReader(client, keys, keys.traj, "trainer-0")
+    with client.pipeline(transaction=False) as pipe:
+        for i in range(DEAD_MAXLEN + 2000):
+            pipe.xadd(keys.traj, {b"payload": b"x" * 10}, id=f"{i + 1}-0")
+        pipe.execute()
     for i in range(DEAD_MAXLEN + 2000):
         reader.dead_letter(f"{i + 1}-0".encode(), {b"payload": b"x" * 10}, "fuzz")
     assert DEAD_MAXLEN <= client.xlen(keys.dead) < DEAD_MAXLEN + 1000  # approximate trimming, by whole nodes

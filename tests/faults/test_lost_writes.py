@@ -9,7 +9,7 @@ import time
 import pytest
 
 from tests.faults.conftest import FaultRedis, audit, wait_until
-from tests.faults.test_outage import SLOW, _version
+from tests.faults.test_outage import SLOW
 
 LOST = "lost writes|Redis lost committed steps"  # workers | trainer
 
@@ -20,12 +20,12 @@ def test_lost_acknowledged_writes_stop_the_run_with_one_line(fault_redis: FaultR
     job = job_factory(fault_redis.url, "max_steps=1000", *SLOW)
     workers = job.start_workers()
     trainer = job.start_trainer()
-    wait_until(lambda: _version(fault_redis) >= 2, 90, "version 2")
+    wait_until(lambda: fault_redis.version() >= 2, 90, "version 2")
     aof = fault_redis.data_dir / "appendonlydir"
     snapshot = fault_redis.data_dir.parent / "aof-behind"
     shutil.copytree(aof, snapshot)  # what the disk holds if the last writes never reached it
-    reached = _version(fault_redis)
-    wait_until(lambda: _version(fault_redis) >= reached + 2, 90, "two more steps")
+    reached = fault_redis.version()
+    wait_until(lambda: fault_redis.version() >= reached + 2, 90, "two more steps")
     fault_redis.kill()
     shutil.rmtree(aof)
     if how == "aof rolled back":

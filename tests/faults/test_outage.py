@@ -8,21 +8,11 @@ import time
 
 import pytest
 
-from tests.faults.conftest import FaultRedis, audit, wait_until
+from tests.faults.conftest import FaultRedis, Job, audit, wait_until
 
 NS = "rollstream:faults"
 STEPS = 6
 SLOW = ("actor_infer.strategy_args.strategy_config.delay_s=0.02", "train_env_manager.max_env_num_per_worker=32")
-
-
-def _version(server: FaultRedis) -> int:
-    client = server.client(socket_timeout=2)
-    try:
-        return int(client.get(f"{NS}:version") or 0)
-    except Exception:  # down or stopped: not there yet
-        return -1
-    finally:
-        client.close()
 
 
 def _check_run(server: FaultRedis, job) -> None:
@@ -37,10 +27,13 @@ def _check_run(server: FaultRedis, job) -> None:
     assert counters["trained"] == STEPS * job.cfg.groups_per_batch, counters
 
 
-def _recovery(server: FaultRedis, before: int) -> float:
+def _recovery(server: FaultRedis, before: int, job: Job) -> float:
     """Seconds from Redis being back to the next committed step."""
     back = time.monotonic()
-    wait_until(lambda: _version(server) > before, 60, "a step after Redis came back", every_s=0.05)
+    try:
+        wait_until(lambda: server.version() > before, 60, "a step after Redis came back", every_s=0.05)
+    except AssertionError as timeout:  # say where each process stood
+        raise AssertionError(f"{timeout}\n{job.log_tails()}") from None
     return time.monotonic() - back
 
 
@@ -51,10 +44,10 @@ def test_redis_killed_and_restarted_three_times_during_a_run(fault_redis: FaultR
     job.start_trainer()
     recoveries = []
     for target in (1, 2, 3):
-        wait_until(lambda t=target: _version(fault_redis) >= t, 90, f"version {target}")
-        before = _version(fault_redis)
+        wait_until(lambda t=target: fault_redis.version() >= t, 90, f"version {target}")
+        before = fault_redis.version()
         fault_redis.restart()  # kill -9, then the same port and data
-        recoveries.append(_recovery(fault_redis, before))
+        recoveries.append(_recovery(fault_redis, before, job))
     print(f"\nkill -9 + restart: seconds to the next step {[round(r, 2) for r in recoveries]}")
     _check_run(fault_redis, job)
 
@@ -64,12 +57,12 @@ def test_redis_gone_for_a_while_then_back(fault_redis: FaultRedis, job_factory) 
     job = job_factory(fault_redis.url, f"max_steps={STEPS}", "redis.max_outage_s=60", *SLOW)
     job.start_workers()
     job.start_trainer()
-    wait_until(lambda: _version(fault_redis) >= 2, 90, "version 2")
-    before = _version(fault_redis)
+    wait_until(lambda: fault_redis.version() >= 2, 90, "version 2")
+    before = fault_redis.version()
     fault_redis.kill()
     time.sleep(15)  # the outage itself
     fault_redis.start()
-    print(f"\ngone 15 s: seconds to the next step {_recovery(fault_redis, before):.2f}")
+    print(f"\ngone 15 s: seconds to the next step {_recovery(fault_redis, before, job):.2f}")
     _check_run(fault_redis, job)
     assert "reconnecting for up to 60 s" in job.log("trainer")
 
@@ -79,12 +72,12 @@ def test_redis_stopped_for_10_s_then_continued(fault_redis: FaultRedis, job_fact
     job = job_factory(fault_redis.url, f"max_steps={STEPS}", *SLOW)
     job.start_workers()
     job.start_trainer()
-    wait_until(lambda: _version(fault_redis) >= 2, 90, "version 2")
-    before = _version(fault_redis)
+    wait_until(lambda: fault_redis.version() >= 2, 90, "version 2")
+    before = fault_redis.version()
     fault_redis.pause()
     time.sleep(10)  # the stall itself
     fault_redis.resume()
-    print(f"\nSIGSTOP 10 s: seconds to the next step {_recovery(fault_redis, before):.2f}")
+    print(f"\nSIGSTOP 10 s: seconds to the next step {_recovery(fault_redis, before, job):.2f}")
     _check_run(fault_redis, job)
 
 
@@ -93,7 +86,7 @@ def test_redis_gone_longer_than_max_outage_s_ends_every_process_with_one_line(fa
     job = job_factory(fault_redis.url, "max_steps=1000", "redis.max_outage_s=3", *SLOW)
     workers = job.start_workers()
     trainer = job.start_trainer()
-    wait_until(lambda: _version(fault_redis) >= 1, 90, "version 1")
+    wait_until(lambda: fault_redis.version() >= 1, 90, "version 1")
     fault_redis.kill()
     for name, proc in [("trainer", trainer), *((f"producer-{r}", p) for r, p in enumerate(workers))]:
         assert proc.wait(timeout=60) != 0

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from tests.faults.conftest import FaultRedis, audit, wait_until
-from tests.faults.test_outage import SLOW, _version
+from tests.faults.test_outage import SLOW
 
 NS = "rollstream:faults"
 STEPS = 8
@@ -21,12 +21,12 @@ def test_the_trainer_killed_three_times_in_one_run(fault_redis: FaultRedis, job_
     job.start_trainer()
     recoveries = []
     for target in (2, 4, 6):
-        wait_until(lambda t=target: _version(fault_redis) >= t, 120, f"version {target}")
+        wait_until(lambda t=target: fault_redis.version() >= t, 120, f"version {target}")
         job.procs["trainer"].kill()  # kill -9, mid-step or between steps
         job.procs["trainer"].wait()
-        before, restarted = _version(fault_redis), time.monotonic()
+        before, restarted = fault_redis.version(), time.monotonic()
         job.start_trainer()
-        wait_until(lambda b=before: _version(fault_redis) > b, 120, "a step by the restarted trainer", every_s=0.05)
+        wait_until(lambda b=before: fault_redis.version() > b, 120, "a step by the restarted trainer", every_s=0.05)
         recoveries.append(time.monotonic() - restarted)
     print(f"\ntrainer kill -9: seconds from restart to its first step {[round(r, 1) for r in recoveries]}")
     assert job.wait_trainer(120) == 0, job.log("trainer")[-3000:]

@@ -14,7 +14,6 @@ import pytest
 
 from rollstream.tiny_model import build_tiny_model
 from tests.faults.conftest import FaultRedis, audit, wait_until
-from tests.faults.test_outage import _version
 
 NS = "rollstream:faults"
 CONFIG = Path(__file__).with_name("ranks.yaml")
@@ -39,7 +38,7 @@ def test_a_trainer_rank_killed_stops_the_run_clearly_and_it_resumes(fault_redis:
     # the checkpoint of step 2 is saved after that step's commit: killed before it lands, the restart would
     # rightly start from the pretrained model, which is not what this test is about
     checkpoint = Path(job.cfg.output_dir) / "checkpoints" / "step_2"
-    wait_until(lambda: _version(fault_redis) >= 2 and checkpoint.is_dir(), 240, "version 2 and its checkpoint")
+    wait_until(lambda: fault_redis.version() >= 2 and checkpoint.is_dir(), 240, "version 2 and its checkpoint")
     os.kill(_rank_pid(launcher, 1), signal.SIGKILL)
     killed = time.monotonic()
     code = job.wait_trainer(120)
@@ -52,7 +51,7 @@ def test_a_trainer_rank_killed_stops_the_run_clearly_and_it_resumes(fault_redis:
 
     # nothing acknowledged beyond the committed steps
     client = fault_redis.client()
-    version = _version(fault_redis)
+    version = fault_redis.version()
     counters = {k.decode(): int(v) for k, v in client.hgetall(f"{NS}:counters").items()}
     assert counters["trained"] == version * per_step, (version, counters)
 

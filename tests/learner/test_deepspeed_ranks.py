@@ -126,8 +126,11 @@ def test_two_rank_step_equals_one_process_step(tmp_path: Path, two_ranks: tuple[
         assert m_two[key] == pytest.approx(m_one[key], rel=1e-4, abs=1e-6), key
     w_two = load_safetensors_dir(root / f"zero{stage}" / "out" / "weights" / "v1")
     assert set(w_two) == set(w_one)
+    # Adam's early steps are about lr x g / (|g| + eps), so float noise in gradients near eps (summation order
+    # differs between one process and two ranks) moves a few weights by ~1e-5: one of 16k by 2.1e-5 on one
+    # machine. The same tolerance as test_micro_batching_does_not_change_the_update.
     for name, value in w_one.items():
-        torch.testing.assert_close(w_two[name], value, rtol=1e-4, atol=2e-5, msg=name)
+        torch.testing.assert_close(w_two[name], value, rtol=1e-4, atol=5e-5, msg=name)
     # The step moved the weights well beyond that tolerance, so the comparison says something.
     initial = load_safetensors_dir(tiny_model)
     assert max(float((w_one[n] - initial[n]).abs().max()) for n in w_one) > 1e-3

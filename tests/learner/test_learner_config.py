@@ -26,6 +26,7 @@ def test_defaults_load_without_a_model() -> None:
     ("init_kl_coef=-0.1", "init_kl_coef=-0.1: must be >= 0"),
     ("pg_clip_low=1", "pg_clip_low=1: must be < 1"),
     ("pg_clip_high=0", "pg_clip_high=0: must be > 0"),
+    ("early_stop_kl=0", "early_stop_kl=0: must be > 0"),
 ])
 def test_bad_learning_values_are_named(override: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):

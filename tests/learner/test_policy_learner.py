@@ -118,6 +118,28 @@ def test_skipping_zero_advantage_rows_gives_the_same_update(tmp_path: Path, tiny
     computing.close()
 
 
+def test_early_stop_kl_discards_the_minibatch_that_crossed_it_and_ends_the_step(
+        tmp_path: Path, tiny_model: Path, groups: list[list[Trajectory]]) -> None:
+    """The first mini-batch is measured at the sampling weights (KL ~ 0, under the limit) and trains; the second,
+    measured after that update, is over it: its gradient is dropped and the step ends. So the weights are those
+    of a one-mini-batch step. Without a limit all eight mini-batches of two epochs train."""
+    shape = ("ppo_epochs=2", "actor_train.training_args.per_device_train_batch_size=2")
+    stopping = torch_learner(tmp_path / "a", tiny_model, *shape, "early_stop_kl=1e-6")
+    training_on = torch_learner(tmp_path / "b", tiny_model, *shape)
+    before = params(stopping)
+    stopped = stopping.train_step(make_batch(groups))
+    full = training_on.train_step(make_batch(groups))
+    assert (stopped["actor/optimizer_steps"], stopped["actor/early_stopped"]) == (1, 1.0)
+    assert stopped["actor/approx_kl_max"] > 1e-6
+    assert (full["actor/optimizer_steps"], full["actor/early_stopped"]) == (8, 0.0)
+    assert full["actor/approx_kl_max"] >= full["actor/approx_kl"] > 0
+    # the dropped gradient reached no parameter: a later step starts from clean gradients
+    assert all(p.grad is None for p in stopping.strategy.model.parameters())
+    assert any(not torch.equal(before[k], v) for k, v in params(stopping).items())
+    stopping.close()
+    training_on.close()
+
+
 def test_gigpo_recompute_kl_and_entropy_together(tmp_path: Path, tiny_model: Path, sampler: TinySampler) -> None:
     """Two-turn episodes with per-turn GiGPO advantages, recomputed old logprobs, a KL penalty and an entropy
     bonus, two PPO epochs of two mini-batches each."""
@@ -209,6 +231,8 @@ def test_bad_strategy_options_are_refused_when_the_config_loads(tmp_path: Path, 
     with pytest.raises(ConfigError, match="strategy_config.zero_stage=4: must be 1, 2 or 3"):
         learner_config(tmp_path, tiny_model, "deepspeed_train",
                        "actor_train.strategy_args.strategy_config={zero_stage: 4}")
+    with pytest.raises(ConfigError, match="early_stop_kl=0.05: deepspeed_train cannot drop"):
+        learner_config(tmp_path, tiny_model, "deepspeed_train", "early_stop_kl=0.05")
 
 
 def test_batches_without_engine_logprobs_are_refused(tmp_path: Path, tiny_model: Path,

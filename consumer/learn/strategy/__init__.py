@@ -147,6 +147,10 @@ class TrainStrategy(Protocol):
         """Clip, step the optimizer and the lr schedule, zero the gradients; returns the pre-clip grad norm."""
         ...
 
+    def discard_gradients(self) -> None:
+        """Drop the gradients accumulated since the last optimizer step, stepping nothing (`early_stop_kl`)."""
+        ...
+
     @property
     def lr(self) -> float:
         """The learning rate the next optimizer step uses."""

@@ -161,6 +161,11 @@ class DeepSpeedStrategy:
         norm = self.engine.get_global_grad_norm()
         return float(norm) if norm is not None else float("nan")
 
+    def discard_gradients(self) -> None:
+        # ZeRO keeps reduced gradients in its own partitioned buffers, which only its step consumes and clears.
+        raise NotImplementedError("early_stop_kl needs torch_train: DeepSpeed has no supported way to drop the "
+                                  "gradients of a mini-batch without stepping")
+
     @property
     def lr(self) -> float:
         return float(self.engine.get_lr()[0])

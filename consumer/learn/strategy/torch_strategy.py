@@ -87,6 +87,9 @@ class TorchStrategy:
         self.optimizer.zero_grad(set_to_none=True)
         return float(norm)
 
+    def discard_gradients(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
     @property
     def lr(self) -> float:
         return float(self.scheduler.get_last_lr()[0])
