@@ -401,7 +401,17 @@ class RollstreamConfig:
     whiten_advantages: bool = False
     """Zero mean, unit variance over the batch's response tokens."""
     entropy_loss_coef: Annotated[float, Field(ge=0.0)] = 0.0
-    """Entropy bonus."""
+    """Entropy bonus; with entropy_target, the adaptive coefficient's start."""
+    entropy_target: Annotated[float, Field(gt=0.0)] | None = None
+    """Adaptive entropy bonus: the mean token entropy (nats, loss/entropy) to hold. After each step the coefficient
+    moves by entropy_coef_step, up while the step's entropy was below this and down while above, within
+    [0, entropy_coef_max]; a step that follows one above the target gets no bonus. Unset: entropy_loss_coef is a
+    fixed bonus."""
+    entropy_coef_step: Annotated[float, Field(gt=0.0)] = 2e-4
+    """How far the adaptive coefficient moves per step (entropy_target)."""
+    entropy_coef_max: Annotated[float, Field(gt=0.0)] = 5e-3
+    """Ceiling of the adaptive coefficient (entropy_target): 0.01 as a fixed bonus blew the main job's entropy up
+    to 5-7 nats within 20 steps."""
     adv_std_normalize: StdNormalize = "group"
     """grpo/gigpo: group divides by the group's std (floored at adv_std_floor); none keeps mean-only advantages."""
     adv_std_floor: Annotated[float, Field(gt=0.0)] = 1e-6

@@ -116,6 +116,10 @@ def check_config(cfg: RollstreamConfig) -> list[str]:
     if cfg.early_stop_kl is not None and cfg.actor_train.strategy_args.strategy_name == "deepspeed_train":
         raise ConfigError(f"early_stop_kl={cfg.early_stop_kl}: deepspeed_train cannot drop a mini-batch's gradients "
                           "without stepping (ZeRO holds them in its own buffers); unset it or use torch_train")
+    if cfg.entropy_target is not None and cfg.entropy_loss_coef > cfg.entropy_coef_max:
+        raise ConfigError(f"entropy_loss_coef={cfg.entropy_loss_coef} is above entropy_coef_max="
+                          f"{cfg.entropy_coef_max}: with entropy_target set, entropy_loss_coef is where the adaptive "
+                          "coefficient starts; lower it or raise entropy_coef_max")
     _check_group_filter(cfg)
     _check_models(cfg)  # before the hosts: they place the engines that device_mapping makes
     plan_hosts(cfg.hosts, cfg.train_layout.num_workers, num_engines(cfg))

@@ -62,6 +62,8 @@ class LearnerState:
     steps_done: int
     generator: torch.Generator
     """The learner's own RNG (mini-batch shuffling)."""
+    entropy_control: dict[str, Any] | None = None
+    """The adaptive entropy bonus's state (`EntropyControl.state`); None in checkpoints from before it."""
 
 
 def strategy_dir(checkpoint: str | os.PathLike[str]) -> Path:
@@ -75,14 +77,15 @@ def save_checkpoint(directory: str | os.PathLike[str], save_strategy: Callable[[
     with atomic.staged_dir(directory, replace=True) as tmp:
         (tmp / STRATEGY_DIR).mkdir()
         save_strategy(tmp / STRATEGY_DIR)
-        save_state({"steps_done": state.steps_done, "rng": capture_rng(state.generator)}, tmp / LEARNER_STATE_FILE)
+        save_state({"steps_done": state.steps_done, "rng": capture_rng(state.generator),
+                    "entropy_control": state.entropy_control}, tmp / LEARNER_STATE_FILE)
 
 
-def load_learner_state(directory: str | os.PathLike[str], generator: torch.Generator) -> int:
-    """Restore every RNG from a checkpoint; returns its steps done."""
+def load_learner_state(directory: str | os.PathLike[str], generator: torch.Generator) -> LearnerState:
+    """Restore every RNG from a checkpoint into the process and `generator`; returns the learner's state."""
     state = load_state(Path(directory) / LEARNER_STATE_FILE)
     restore_rng(state["rng"], generator)
-    return int(state["steps_done"])
+    return LearnerState(int(state["steps_done"]), generator, state.get("entropy_control"))
 
 
 def capture_rng(generator: torch.Generator) -> dict[str, Any]:

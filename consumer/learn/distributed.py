@@ -94,7 +94,8 @@ class LeaderLearner(PolicyLearner):
     def update(self, tokens: TokenBatch) -> dict[str, float]:
         shards = plan_update(tokens, self.settings, self.generator, self.control.world_size)
         with self._with_followers():
-            self.control.scatter([(TRAIN, shard) for shard in shards])
+            # The settings travel with each shard: the adaptive entropy bonus changes them step by step.
+            self.control.scatter([(TRAIN, shard, self.settings) for shard in shards])
             return run_shard(self.strategy, shards[0], self.settings, self.reference)
 
     def publish(self, version: int, suffix: str = "") -> WeightsAnnouncement:
@@ -147,7 +148,8 @@ class Follower:
                 if kind == STOP:
                     return
                 if kind == TRAIN:
-                    run_shard(strategy, args[0], learner.settings, learner.reference)
+                    shard, settings = args
+                    run_shard(strategy, shard, settings, learner.reference)
                     learner.steps_done += 1
                 elif kind == PUBLISH:
                     strategy.publish_weights(learner.weights_dir, learner.tokenizer)  # rank 0 alone writes

@@ -28,7 +28,7 @@ import shutil
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -38,6 +38,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from rollstream.consumer.data.batcher import Batch
 from rollstream.consumer.learn.advantages import AdvantageSettings, compute_advantages
 from rollstream.consumer.learn.checkpoints import LearnerState, load_learner_state, save_checkpoint, strategy_dir
+from rollstream.consumer.learn.entropy_control import EntropyControl
 from rollstream.consumer.learn.loss import (
     approx_kl,
     kl_k3,
@@ -124,6 +125,7 @@ class PolicyLearner:
         self.generator = torch.Generator().manual_seed(cfg.seed)
         """Shuffles mini-batches; its state is part of a checkpoint."""
         self.reference = load_reference(cfg, strategy.device) if self.settings.kl_coef > 0 else None
+        self.entropy_control = EntropyControl.from_config(cfg)
         self.steps_done = 0
 
     def train_step(self, batch: Batch) -> dict[str, float]:
@@ -137,7 +139,10 @@ class PolicyLearner:
         metrics = advantage_stats(tokens)
         metrics["actor/zero_adv_rows"] = float(tokens.num_rows - int(rows_with_gradient(tokens).sum()))
         metrics["time/advantages_s"] = time.monotonic() - start
+        self.settings = replace(self.settings, entropy_coef=self.entropy_control.bonus)
         metrics |= self.update(tokens)
+        metrics["actor/entropy_coef"] = self.settings.entropy_coef
+        self.entropy_control.observe(metrics["loss/entropy"])
         self.steps_done += 1
         return metrics
 
@@ -158,7 +163,8 @@ class PolicyLearner:
 
     def save_checkpoint(self, directory: str | os.PathLike[str]) -> None:
         """Model, optimizer, lr schedule, RNG and step count into `directory`, replaced atomically."""
-        save_checkpoint(directory, self.save_strategy, LearnerState(self.steps_done, self.generator))
+        save_checkpoint(directory, self.save_strategy,
+                        LearnerState(self.steps_done, self.generator, self.entropy_control.state()))
 
     def save_strategy(self, directory: Path) -> None:
         """The strategy's part of a checkpoint (a multi-rank leader has every rank write its part)."""
@@ -166,7 +172,10 @@ class PolicyLearner:
 
     def load_checkpoint(self, directory: str | os.PathLike[str]) -> None:
         self.strategy.load_checkpoint(strategy_dir(directory))
-        self.steps_done = load_learner_state(directory, self.generator)
+        state = load_learner_state(directory, self.generator)
+        self.steps_done = state.steps_done
+        if state.entropy_control is not None:
+            self.entropy_control.restore(state.entropy_control)
 
     def close(self) -> None:
         self.reference = None

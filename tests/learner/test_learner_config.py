@@ -27,6 +27,8 @@ def test_defaults_load_without_a_model() -> None:
     ("pg_clip_low=1", "pg_clip_low=1: must be < 1"),
     ("pg_clip_high=0", "pg_clip_high=0: must be > 0"),
     ("early_stop_kl=0", "early_stop_kl=0: must be > 0"),
+    ("entropy_target=-1", "entropy_target=-1: must be > 0"),
+    ("entropy_coef_max=0", "entropy_coef_max=0: must be > 0"),
 ])
 def test_bad_learning_values_are_named(override: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
@@ -44,6 +46,12 @@ def test_bad_training_values_are_named(tmp_path: Path, override: str, message: s
     base = [f"pretrain={tmp_path}", "actor_train.strategy_args.strategy_name=torch_train"]
     with pytest.raises(ConfigError, match=message):
         load_config(None, [*base, override])
+
+
+def test_an_adaptive_entropy_bonus_cannot_start_above_its_ceiling() -> None:
+    with pytest.raises(ConfigError, match="entropy_loss_coef=0.01 is above entropy_coef_max=0.005"):
+        load_config(None, ["entropy_target=0.3", "entropy_loss_coef=0.01"])
+    assert load_config(None, ["entropy_loss_coef=0.01"]).entropy_target is None  # a fixed bonus has no ceiling
 
 
 def test_pg_clip_range_is_rolls() -> None:

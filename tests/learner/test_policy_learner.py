@@ -192,9 +192,11 @@ def test_publish_writes_a_loadable_verified_directory(tmp_path: Path, tiny_model
 
 def test_checkpoint_round_trip_resumes_exactly(tmp_path: Path, tiny_model: Path,
                                                groups: list[list[Trajectory]]) -> None:
-    """Save after one step; a fresh learner loaded from it takes the next step exactly as the original did."""
+    """Save after one step; a fresh learner loaded from it takes the next step exactly as the original did, the
+    adaptive entropy bonus included (an unreachable target: the coefficient climbs one step per train step)."""
     overrides = ("actor_train.training_args.per_device_train_batch_size=2", "ppo_epochs=2",
-                 "actor_train.training_args.warmup_steps=3", "actor_train.training_args.lr_scheduler_type=cosine")
+                 "actor_train.training_args.warmup_steps=3", "actor_train.training_args.lr_scheduler_type=cosine",
+                 "entropy_target=100", "entropy_coef_step=0.001")
     original = torch_learner(tmp_path / "a", tiny_model, *overrides)
     original.train_step(make_batch(groups, 0))
     original.save_checkpoint(tmp_path / "ckpt")
@@ -213,6 +215,7 @@ def test_checkpoint_round_trip_resumes_exactly(tmp_path: Path, tiny_model: Path,
     torch.manual_seed(12345)
     m_resumed = resumed.train_step(make_batch(groups, 1))
     assert m_resumed["loss/pg"] == m_next["loss/pg"] and m_resumed["actor/lr"] == m_next["actor/lr"]
+    assert m_resumed["actor/entropy_coef"] == m_next["actor/entropy_coef"] == 0.001
     for name, value in params(resumed).items():
         assert torch.equal(value, p_next[name]), name
     state = resumed.strategy.optimizer.state_dict()  # type: ignore[attr-defined]
