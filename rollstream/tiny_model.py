@@ -344,7 +344,7 @@ def main_tiny_model(out: str, settings: TinyModelConfig, *, seed: int = 0, threa
     path = build_tiny_model(out, tie_word_embeddings=settings.tie_word_embeddings, hidden_size=settings.hidden_size,
                             layers=settings.layers, seed=seed)
     stats = sft_format_warm_start(path, settings.sft_steps, max_seconds=settings.sft_seconds, threads=threads,
-                                  seed=seed)
+                                  think_prob=settings.think_prob, seed=seed)
     stats["valid_rate"] = format_valid_rate(path, eval_prompts)
     print(json.dumps({"model_dir": str(path), **stats}))
 

@@ -322,6 +322,9 @@ class TinyModelConfig:
     null: sft_steps alone bounds it, so a seed builds the same model on every machine."""
     sft_steps: Count = 2000
     """Most steps of that warm start."""
+    think_prob: Annotated[float, Field(ge=0.0, le=1.0)] = 0.5
+    """Share of the warm start's replies that open with a short <think> naming the answer's action (no reasoning:
+    it only teaches that a think may come first); 0: every warm-start reply answers directly."""
 
 
 @dataclass(config=SCHEMA)

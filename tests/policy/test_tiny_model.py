@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import shutil
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import pytest
 from tokenizers import Tokenizer
 from transformers import AutoConfig, AutoTokenizer
 
+from rollstream.producer.policy.conversation import ChatTemplateDeltas
 from rollstream.shared.config import TinyModelConfig
 from rollstream.tiny_model import (
     REPLY_TAGS,
@@ -19,6 +21,7 @@ from rollstream.tiny_model import (
     env_texts,
     format_valid_rate,
     main_tiny_model,
+    random_valid_conversation,
     sft_format_warm_start,
     train_tokenizer,
 )
@@ -96,3 +99,16 @@ def test_a_step_bounded_build_is_the_same_for_the_same_seed(tmp_path: Path) -> N
     assert (tmp_path / "a" / "tokenizer.json").read_bytes() == (tmp_path / "b" / "tokenizer.json").read_bytes()
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
     assert any((a[k] != c[k]).any() for k in a)
+
+
+@pytest.mark.parametrize("think_prob", [0.0, 1.0])
+def test_think_prob_decides_whether_warm_start_replies_open_with_a_think(
+    tied_model: TinyVersions, think_prob: float
+) -> None:
+    deltas, rng = ChatTemplateDeltas(AutoTokenizer.from_pretrained(tied_model.v0)), random.Random(0)
+    replies = []
+    for _ in range(20):
+        conv, _ = random_valid_conversation(rng, corpus_envs(), deltas, max_turns=3, think_prob=think_prob)
+        replies += [deltas.tokenizer.decode(conv.input_ids[start:end]) for start, end in conv.spans]
+    opens_with_think = [reply.lstrip().startswith("<think>") for reply in replies]
+    assert all(opens_with_think) if think_prob == 1.0 else not any(opens_with_think), replies[:3]
