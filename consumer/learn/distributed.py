@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from rollstream.consumer.learn.checkpoints import strategy_dir
-from rollstream.consumer.learn.policy_learner import PolicyLearner, plan_update, run_shard
+from rollstream.consumer.learn.policy_learner import PolicyLearner, UpdateSettings, plan_update, run_shard
 from rollstream.consumer.learn.rank_watch import Heartbeat, RankLost, RankWatch
 from rollstream.consumer.learn.strategy import launched_world_size, make_strategy
 from rollstream.consumer.learn.tensors import TokenBatch
@@ -91,12 +91,12 @@ class LeaderLearner(PolicyLearner):
             self.watch.check(e)
             raise
 
-    def update(self, tokens: TokenBatch) -> dict[str, float]:
-        shards = plan_update(tokens, self.settings, self.generator, self.control.world_size)
+    def update(self, tokens: TokenBatch, settings: UpdateSettings) -> dict[str, float]:
+        shards = plan_update(tokens, settings, self.generator, self.control.world_size)
         with self._with_followers():
             # The settings travel with each shard: the adaptive entropy bonus changes them step by step.
-            self.control.scatter([(TRAIN, shard, self.settings) for shard in shards])
-            return run_shard(self.strategy, shards[0], self.settings, self.reference)
+            self.control.scatter([(TRAIN, shard, settings) for shard in shards])
+            return run_shard(self.strategy, shards[0], settings, self.reference)
 
     def publish(self, version: int, suffix: str = "") -> WeightsAnnouncement:
         with self._with_followers():

@@ -139,16 +139,17 @@ class PolicyLearner:
         metrics = advantage_stats(tokens)
         metrics["actor/zero_adv_rows"] = float(tokens.num_rows - int(rows_with_gradient(tokens).sum()))
         metrics["time/advantages_s"] = time.monotonic() - start
-        self.settings = replace(self.settings, entropy_coef=self.entropy_control.bonus)
-        metrics |= self.update(tokens)
-        metrics["actor/entropy_coef"] = self.settings.entropy_coef
+        settings = replace(self.settings, entropy_coef=self.entropy_control.bonus)
+        metrics |= self.update(tokens, settings)
+        metrics["actor/entropy_coef"] = settings.entropy_coef
         self.entropy_control.observe(metrics["loss/entropy"])
         self.steps_done += 1
         return metrics
 
-    def update(self, tokens: TokenBatch) -> dict[str, float]:
-        """The PPO update on the whole batch (a multi-rank leader splits it over the ranks instead)."""
-        return ppo_update(self.strategy, tokens, self.settings, self.generator, self.reference)
+    def update(self, tokens: TokenBatch, settings: UpdateSettings) -> dict[str, float]:
+        """The PPO update on the whole batch with this step's settings (a multi-rank leader splits it over the
+        ranks instead)."""
+        return ppo_update(self.strategy, tokens, settings, self.generator, self.reference)
 
     def publish(self, version: int, suffix: str = "") -> WeightsAnnouncement:
         """Write `version` as a HF safetensors directory <output_dir>/weights/v<version><suffix>, atomically."""
