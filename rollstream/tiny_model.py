@@ -78,6 +78,8 @@ def env_texts(envs: Sequence[TextEnv], episodes: int, seed: int = 0) -> Iterator
             done, turn = False, 1
             while not done:
                 yield turn_prompt(turn, obs, info["actions_left"], rng.choice(REPLY_BUDGETS))
+                # Half the replies think, whatever `tiny_model.think_prob` the warm start uses: the tokenizer
+                # must have merges for the think text either way, and one corpus keeps a seed's tokenizer fixed.
                 reply = _random_reply(rng, env.action_names, think_prob=0.5)
                 yield reply
                 obs, _, terminated, truncated, info = env.step(reply)
@@ -261,7 +263,7 @@ def sft_format_warm_start(
     batch_size: int = 16,
     lr: float = 2e-3,
     max_turns: int = 3,
-    think_prob: float = 0.5,
+    think_prob: float = TinyModelConfig.think_prob,
     warmup_steps: int = 10,
     max_seconds: float | None = None,
     threads: int | None = None,
