@@ -219,7 +219,7 @@ class ModelArgs:
 @dataclass(config=SCHEMA)
 class TrainModelArgs(ModelArgs):
     dtype: TrainDtype = "fp32"
-    """fp32, or bf16 mixed precision (fp32 master weights, bf16 compute)."""
+    """fp32, or bf16 mixed precision (fp32 master weights, bf16 compute; weights are published in bf16)."""
 
 
 @dataclass(config=SCHEMA)

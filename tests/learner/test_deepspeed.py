@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from rollstream.consumer.learn.learner import make_learner
 from rollstream.consumer.learn.policy_learner import PolicyLearner
@@ -102,3 +103,23 @@ def test_deepspeed_checkpoint_round_trip(tmp_path: Path, tiny_model: Path, group
             assert torch.equal(value, p_next[name]), name
     finally:
         resumed.close()
+
+
+@pytest.mark.parametrize("strategy", ["torch_train", "deepspeed_train"])
+def test_a_bf16_run_publishes_bf16_weights_that_load(tmp_path: Path, tiny_model: Path,
+                                                      groups: list[list[Trajectory]], strategy: str) -> None:
+    trained = learner(tmp_path, tiny_model, strategy, "actor_train.model_args.dtype=bf16")
+    try:
+        trained.train_step(make_batch(groups))
+        published = weights_path_from_uri(trained.publish(1).uri)
+        master = {k: v.detach().clone() for k, v in trained.strategy.model.state_dict().items()}
+    finally:
+        trained.close()
+    weights = load_safetensors_dir(published)
+    assert weights and all(w.dtype == torch.bfloat16 for w in weights.values())
+    for name, value in weights.items():  # the trained weights, rounded once to bf16
+        assert torch.equal(value, master[name].to(torch.bfloat16)), name
+    reloaded = AutoModelForCausalLM.from_pretrained(published, dtype=torch.float32)
+    tied = reloaded.get_output_embeddings().weight
+    assert tied.data_ptr() == reloaded.get_input_embeddings().weight.data_ptr()  # still one tensor, two names
+    assert torch.equal(tied, master["model.embed_tokens.weight"].to(torch.bfloat16).float())
