@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import logging
 import os
 import socket
@@ -93,6 +94,12 @@ Outgoing = tuple[str, dict[str, bytes | str | int | float]]
 """A stream entry waiting to be written: (stream, fields)."""
 SHUTDOWN_REPORT_S = 15.0
 """How long a stopping worker spends telling the trainer which admitted episodes it abandons."""
+
+
+def _payload_bytes(fields: dict[str, bytes | str | int | float]) -> int:
+    """An entry's size for WRITE_SCRIPT_BYTES: its payload's (the other fields are a few dozen bytes each)."""
+    payload = fields.get("payload")
+    return len(payload) if isinstance(payload, bytes) else 0
 
 
 @dataclass
@@ -414,8 +421,7 @@ class EnvWorker:
     async def _write_batch(self, entries: list[Outgoing]) -> None:
         if self.writes_base is None:  # read once, before any write of this process
             self.writes_base = int(await self.client.hget(self.keys.run, self.writer) or 0)
-        small = sum(len(v) for _, fields in entries for v in fields.values() if isinstance(v, bytes | str)) \
-            <= WRITE_SCRIPT_BYTES
+        small = sum(_payload_bytes(fields) for _, fields in entries) <= WRITE_SCRIPT_BYTES
         write = functools.partial(self._write_script if small else self._write_multi, entries)
         floor = self._writes_floor()  # acknowledged before this write was sent (no other write is in flight)
         written = await write_with_backoff(write, "writing a trajectory", self.cfg.redis.max_outage_s)
@@ -425,11 +431,11 @@ class EnvWorker:
     async def _write_script(self, entries: list[Outgoing]) -> Any:
         """XADD every entry and count them, in one script; returns the writer's count after it."""
         streams = list(dict.fromkeys(stream for stream, _ in entries))
+        number = {stream: i for i, stream in enumerate(streams, start=1)}  # stream i is KEYS[i + 1]
         args: list[Any] = [self.writer]
         for stream, fields in entries:
-            args += [streams.index(stream) + 1, 2 * len(fields)]
-            for item in fields.items():
-                args += item
+            args += (number[stream], 2 * len(fields))
+            args += itertools.chain.from_iterable(fields.items())
         return await self.client.eval(WRITE_LUA, 1 + len(streams), self.keys.run, *streams, *args)
 
     async def _write_multi(self, entries: list[Outgoing]) -> Any:
