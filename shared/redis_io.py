@@ -226,13 +226,13 @@ class _HiredisPacking:
     """redis-py's async connections pack commands in Python, its sync ones with hiredis when it is installed; the
     producer packs every trajectory's XADD, and the Python packer was a third of its CPU. Same bytes either way.
 
-    hiredis is handed the arguments as they are; only a command it refuses (a memoryview or bytearray argument)
-    goes through redis-py's serializer, which converts every argument first: that conversion, a Python step per
+    hiredis is handed the arguments as they are; only a command it refuses (a bytearray argument, say) goes
+    through redis-py's serializer, which converts every argument first: that conversion, a Python step per
     argument, was half the packing's cost in a profile of the producer's writes (hundreds of arguments a call)."""
 
     def pack_command(self, *args: Any) -> list[bytes]:
         name = args[0]
-        if isinstance(name, str) and " " not in name:  # redis-py splits a name like "CLIENT SETNAME"; none here
+        if isinstance(name, str) and " " not in name:  # a two-word name ("CLIENT SETNAME"): redis-py splits it
             try:
                 return [hiredis.pack_command(args)]
             except TypeError:

@@ -110,8 +110,8 @@ class TorchStrategy:
         return float(self.scheduler.get_last_lr()[0])
 
     def publish_weights(self, final_dir: Path, tokenizer: Any) -> str:
-        # A bf16 run publishes bf16, as DeepSpeed's bf16 module does: the engines compute in bf16 anyway, and the
-        # fp32 master weights would double the bytes of every version (measured on an H100 with a 0.5B model:
+        # A bf16 run publishes bf16, as DeepSpeed's bf16 module does (its engines compute in bf16 too): the fp32
+        # master weights would double the bytes of every version (measured on an H100 with a 0.5B model:
         # 2.7-3.4 s per version against 1.3-1.4 s, benchmarks/train_step_gpu.py).
         return save_pretrained_atomically(self.model, final_dir, tokenizer=tokenizer,
                                           state_dict=cast_state(self.model, self.autocast_dtype))
