@@ -54,14 +54,24 @@ class Run:
     """From launch to the trainer's first logged metric: model build, engine start, first validation round
     (None for a run reported from its output dir, whose launch time is not known)."""
     records: list[dict[str, float]] = field(default_factory=list)
+    max_steps: int | None = None
+    """The config's; a run whose records end before a mark without reaching it was stopped early."""
 
     def curve(self, key: str) -> list[tuple[float, float]]:
         return [(r["minutes"], r[key]) for r in self.records if key in r]
 
     def at(self, key: str, minutes: float | None) -> float | None:
-        """The last value logged by `minutes` into the run (None: the end)."""
+        """The last value logged by `minutes` into the run (None: the end). A run that ended before `minutes` has
+        its last value there only if it ran all its steps: one stopped early never saw that mark."""
+        if minutes is not None and self.stopped_before(minutes):
+            return None
         points = [v for m, v in self.curve(key) if minutes is None or m <= minutes]
         return points[-1] if points else None
+
+    def stopped_before(self, minutes: float) -> bool:
+        last = self.records[-1] if self.records else None
+        return (last is not None and last["minutes"] < minutes
+                and (self.max_steps is None or last["step"] < self.max_steps))
 
     def peak(self, key: str) -> tuple[float, float] | None:
         """(best value, minutes when first reached) over the run."""
@@ -214,6 +224,8 @@ def main() -> None:
         runs = [load_run(out_root / f"seed{seed}", seed) for seed in seeds]
     else:
         runs = [run_once(args.config, seed, out_root, args.overrides, args.stop_after_minutes) for seed in seeds]
+    for run in runs:
+        run.max_steps = cfg.max_steps
 
     RESULTS.mkdir(parents=True, exist_ok=True)
     stem = RESULTS / f"learning_runs-{cfg.exp_name}"

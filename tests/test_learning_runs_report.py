@@ -15,8 +15,9 @@ _SPEC.loader.exec_module(learning_runs)
 KEY = "val/success"
 
 
-def _run(curve: list[tuple[float, float]]) -> Any:  # a learning_runs.Run: the module is loaded from its path
-    return learning_runs.Run(1, None, [{"step": 10 * i, "minutes": m, KEY: v} for i, (m, v) in enumerate(curve)])
+def _run(curve: list[tuple[float, float]], max_steps: int | None = None) -> Any:  # a learning_runs.Run
+    records = [{"step": 10 * i, "minutes": m, KEY: v} for i, (m, v) in enumerate(curve)]
+    return learning_runs.Run(1, None, records, max_steps)
 
 
 def test_a_dip_before_a_later_peak_shows_after_first_reaching_the_bar_not_after_the_peak() -> None:
@@ -40,3 +41,13 @@ def test_the_table_and_the_csv_carry_the_low_after_reaching(tmp_path) -> None:
     learning_runs.write_csv(path, "FrozenLake", runs, marks=(2,))
     header, first, _ = path.read_text().splitlines()
     assert dict(zip(header.split(","), first.split(",")))["greedy_success_after_0.6_min"] == "0.4"
+
+
+def test_a_run_stopped_before_a_mark_has_no_value_there_one_that_finished_keeps_its_last() -> None:
+    curve = [(1, 0.1), (5, 0.4), (9, 0.5)]  # last record: step 20 at 9 minutes
+    assert _run(curve, max_steps=400).at(KEY, 15) is None  # stopped (or cut off) at 9 minutes
+    assert _run(curve, max_steps=20).at(KEY, 15) == 0.5  # ran all its steps by 9 minutes: that is its policy at 15
+    assert _run(curve, max_steps=400).at(KEY, 5) == 0.4 and _run(curve, max_steps=400).at(KEY, None) == 0.5
+    rows = {row[0]: row[1] for row in learning_runs.summary_rows([_run(curve, 400), _run([(14, 0.7), (16, 0.8)], 400)],
+                                                                 marks=(15,))}
+    assert rows["15 min"] == "0.70 / 0.70 / 0.70"  # the stopped run is left out, not counted at its last value
