@@ -29,13 +29,19 @@ class StateFileError(ValueError):
     """A state that cannot be stored without pickle, or a file that is not one of ours."""
 
 
+def tensor_identity(tensor: torch.Tensor) -> tuple[Any, ...]:
+    """Equal for two names of one tensor (tied embeddings, a shared buffer), different for distinct tensors (but
+    for empty ones, whose memory address means nothing)."""
+    return (tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()), tensor.device)
+
+
 def encode(obj: Any, tensors: dict[str, torch.Tensor], seen: dict[tuple[Any, ...], str], path: str = "") -> Any:
     """`obj` as JSON-able data; its tensors are added to `tensors` (named by where they sit). Pure but for
     `tensors` and `seen` (identical tensors stored once)."""
     if isinstance(obj, torch.Tensor):
         if obj.is_sparse or obj.layout != torch.strided:
             raise StateFileError(f"{path or 'state'}: a {obj.layout} tensor cannot be stored")
-        ident = (obj.data_ptr(), obj.dtype, tuple(obj.shape), tuple(obj.stride()), obj.device)
+        ident = tensor_identity(obj)
         if obj.numel() and ident in seen:
             return {"$tensor": seen[ident]}
         name = path or "."

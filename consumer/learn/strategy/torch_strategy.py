@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from rollstream.consumer.learn.state_file import load_state, save_state
+from rollstream.consumer.learn.state_file import load_state, save_state, tensor_identity
 from rollstream.consumer.learn.strategy import (
     ModelSettings,
     OptimSettings,
@@ -57,10 +57,10 @@ def cast_state(model: torch.nn.Module, dtype: torch.dtype | None) -> dict[str, t
     embeddings) stay shared, so the saved file still ties them."""
     if dtype is None:
         return None
-    copies: dict[tuple[int, tuple[int, ...], tuple[int, ...]], torch.Tensor] = {}
+    copies: dict[tuple[Any, ...], torch.Tensor] = {}
     state = {}
     for name, tensor in model.state_dict().items():
-        same = (tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()))
+        same = tensor_identity(tensor)
         if same not in copies:
             copies[same] = tensor.to(dtype) if tensor.is_floating_point() else tensor
         state[name] = copies[same]
