@@ -25,3 +25,21 @@ def test_per_tag_stats_split_only_with_several_tags() -> None:
     assert stats["rollout/FrozenLake/success"] == 1.0
     assert stats["rollout/SimpleSokoban/success"] == 0.0
     assert "rollout/FrozenLake/success" not in rollout_stats(trajs[:1], step=0)
+
+
+def test_think_rate_and_reply_tokens_count_turns() -> None:
+    traj = make_traj()
+    traj.turns[0].reply = " <think>Go Right.</think><answer>Right</answer>"
+    traj.turns[1].response_span = (4, 9)
+    stats = rollout_stats([traj, make_traj(member=1)], step=0)
+    assert stats["rollout/think_rate"] == 0.25  # one reply of four opens a think
+    assert stats["rollout/reply_tokens"] == pytest.approx((2 + 5 + 2 + 2) / 4)
+
+
+def test_reply_tokens_absent_without_tokens() -> None:
+    traj = make_traj()
+    for turn in traj.turns:
+        turn.response_span = (0, 0)  # a scripted policy's turns
+    stats = rollout_stats([traj], step=0)
+    assert "rollout/reply_tokens" not in stats
+    assert stats["rollout/think_rate"] == 0.0

@@ -7,6 +7,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from rollstream.shared.envs.text import opens_think
 from rollstream.shared.schema import Trajectory
 
 
@@ -26,7 +27,8 @@ def rollout_stats(trajs: Sequence[Trajectory], step: int, max_staleness: int = 0
 
 
 def per_tag_stats(prefix: str, trajs: Sequence[Trajectory]) -> dict[str, float]:
-    """Score, success, actions and valid-action rate under `prefix/`, and under `prefix/<tag>/` per tag."""
+    """Score, success, actions, valid-action rate, the share of replies that open a think and (for policies with
+    tokens) the mean reply length in tokens under `prefix/`, and under `prefix/<tag>/` per tag."""
     stats = _summary(prefix, trajs)
     by_tag: dict[str, list[Trajectory]] = defaultdict(list)
     for t in trajs:
@@ -42,9 +44,14 @@ def _summary(prefix: str, trajs: Iterable[Trajectory]) -> dict[str, float]:
     if not trajs:
         return {}
     turns = [turn for t in trajs for turn in t.turns]
-    return {
+    stats = {
         f"{prefix}/score": float(np.mean([t.score for t in trajs])),
         f"{prefix}/success": float(np.mean([t.success for t in trajs])),
         f"{prefix}/num_actions": float(np.mean([t.num_actions for t in trajs])),
         f"{prefix}/valid_action_rate": float(np.mean([turn.action_is_valid for turn in turns])) if turns else 0.0,
+        f"{prefix}/think_rate": float(np.mean([opens_think(turn.reply) for turn in turns])) if turns else 0.0,
     }
+    spans = [end - start for turn in turns for start, end in (turn.response_span,) if end > start]
+    if spans:  # scripted policies write no tokens
+        stats[f"{prefix}/reply_tokens"] = float(np.mean(spans))
+    return stats

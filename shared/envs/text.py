@@ -53,6 +53,12 @@ def _named_action(answer: str | None, action_names: Sequence[str]) -> str | None
     return None
 
 
+def opens_think(reply: str) -> bool:
+    """The reply starts with a `<think>` (well-formed or not): the share of such replies shows which path a
+    policy takes, since greedy decoding can settle on a think path that sampling rarely shows."""
+    return reply.lstrip().startswith("<think>")
+
+
 def format_reply(action: str, think: str | None = None) -> str:
     """A well-formed reply for `action` (the inverse of `parse_action`; scripted policies and SFT data use it)."""
     thought = "" if think is None else f"<think>{think}</think>"

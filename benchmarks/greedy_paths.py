@@ -1,0 +1,96 @@
+"""What a run's policy does on its held-out maps, checkpoint by checkpoint: greedy moves and think paths.
+
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/greedy_paths.py OUTPUT_DIR [--steps 0 50 100 150]
+
+Diagnostic only. For each step (0: the warm-started model in `OUTPUT_DIR/tiny_model`; N: the `torch_train`
+checkpoint `OUTPUT_DIR/checkpoints/step_N`), the run's held-out FrozenLake maps (the validation's seeds) are
+played through the transformers backend, once greedily and twice sampled at the config's temperature. It prints
+success, the first moves greedy decoding takes over the maps (one fixed move on every map: the policy does not
+read the map) and the share of replies that open a `<think>` on each path: greedy decoding can settle on a path
+that sampling, and so RL, rarely takes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import shutil
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+from safetensors.torch import load_file, save_file
+
+from rollstream.producer.episode import EpisodeSpec, Sampling, play_episode
+from rollstream.producer.policy.factory import chat_template_of
+from rollstream.producer.policy.hf import HFPolicy
+from rollstream.shared.config import RollstreamConfig, load_config
+from rollstream.shared.envs.registry import make_env
+from rollstream.shared.envs.text import opens_think
+from rollstream.shared.schema import Trajectory
+from rollstream.shared.seeding import episode_seed
+
+TAG = "FrozenLake"
+SAMPLED_ROUNDS = 2
+
+
+def model_at(run: Path, step: int, into: Path) -> Path:
+    """The run's tiny model with the weights of checkpoint `step` (0: as built)."""
+    shutil.copytree(run / "tiny_model", into)
+    if step:
+        state = load_file(run / "checkpoints" / f"step_{step}" / "strategy" / "torch_strategy.safetensors")
+        weights = {name.removeprefix("/model/"): t.contiguous() for name, t in state.items()
+                   if name.startswith("/model/")}
+        save_file(weights, into / "model.safetensors")
+    return into
+
+
+async def play_held_out(cfg: RollstreamConfig, policy: HFPolicy, sampling: Sampling, rounds: int) -> list[Trajectory]:
+    """Every held-out map `rounds` times, all at once (the backend batches the requests)."""
+    maps = cfg.val_env_manager.num_env_groups
+
+    async def play(g: int) -> Trajectory:
+        spec = EpisodeSpec("val", TAG, g, 0, 0, episode_seed(cfg.seed, "val", g, 0), 0)
+        return await play_episode(make_env(TAG, cfg.custom_envs), policy, spec, sampling,
+                                  chat=chat_template_of(policy), sequence_length=cfg.sequence_length)
+
+    return list(await asyncio.gather(*(play(g) for _ in range(rounds) for g in range(maps))))
+
+
+async def greedy_and_sampled(cfg: RollstreamConfig, model: Path) -> tuple[list[Trajectory], list[Trajectory]]:
+    max_tokens = cfg.reply_tokens(TAG)
+    policy = HFPolicy(model, seed=cfg.seed)
+    try:
+        greedy = await play_held_out(cfg, policy, Sampling(max_tokens, temperature=0.0), 1)
+        sampled = Sampling.training(max_tokens, cfg.actor_infer.generating_args)
+        return greedy, await play_held_out(cfg, policy, sampled, SAMPLED_ROUNDS)
+    finally:
+        await policy.close()
+
+
+def think_share(trajs: list[Trajectory]) -> float:
+    replies = [turn.reply for t in trajs for turn in t.turns]
+    return sum(map(opens_think, replies)) / max(len(replies), 1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("run", type=Path, help="a run's output dir (config.yaml, tiny_model, checkpoints)")
+    parser.add_argument("--steps", type=int, nargs="+", default=[0, 50, 100, 150])
+    args = parser.parse_args()
+    cfg = load_config(args.run / "config.yaml")
+    print(f"{args.run}: {cfg.val_env_manager.num_env_groups} held-out maps, greedy once, sampled {SAMPLED_ROUNDS}x")
+    print("| step | greedy success | greedy first moves | greedy replies opening a think | sampled success | "
+          "sampled replies opening a think |")
+    print("|---|---|---|---|---|---|")
+    for step in args.steps:
+        with tempfile.TemporaryDirectory() as tmp:
+            g, s = asyncio.run(greedy_and_sampled(cfg, model_at(args.run, step, Path(tmp) / "model")))
+        first = Counter(t.turns[0].action if t.turns else None for t in g)
+        moves = ", ".join(f"{move} {n}" for move, n in first.most_common())
+        print(f"| {step} | {sum(t.success for t in g) / len(g):.2f} | {moves} | {think_share(g):.2f} | "
+              f"{sum(t.success for t in s) / len(s):.2f} | {think_share(s):.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
