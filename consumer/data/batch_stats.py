@@ -51,7 +51,7 @@ def _summary(prefix: str, trajs: Iterable[Trajectory]) -> dict[str, float]:
         f"{prefix}/valid_action_rate": float(np.mean([turn.action_is_valid for turn in turns])) if turns else 0.0,
         f"{prefix}/think_rate": float(np.mean([opens_think(turn.reply) for turn in turns])) if turns else 0.0,
     }
-    spans = [end - start for turn in turns for start, end in (turn.response_span,) if end > start]
+    spans = [turn.response_span[1] - turn.response_span[0] for turn in turns if turn.response_span != (0, 0)]
     if spans:  # scripted policies write no tokens
         stats[f"{prefix}/reply_tokens"] = float(np.mean(spans))
     return stats
