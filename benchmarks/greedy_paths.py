@@ -19,8 +19,11 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
+from rollstream.consumer.learn.checkpoints import strategy_dir
+from rollstream.consumer.learn.state_file import load_state
+from rollstream.consumer.learn.strategy.torch_strategy import CHECKPOINT_FILE
 from rollstream.producer.episode import EpisodeSpec, Sampling, play_episode
 from rollstream.producer.policy.factory import chat_template_of
 from rollstream.producer.policy.hf import HFPolicy
@@ -28,7 +31,7 @@ from rollstream.shared.config import RollstreamConfig, load_config
 from rollstream.shared.envs.registry import make_env
 from rollstream.shared.envs.text import opens_think
 from rollstream.shared.schema import Trajectory
-from rollstream.shared.seeding import episode_seed
+from rollstream.shared.seeding import held_out_seed
 
 TAG = "FrozenLake"
 SAMPLED_ROUNDS = 2
@@ -38,10 +41,9 @@ def model_at(run: Path, step: int, into: Path) -> Path:
     """The run's tiny model with the weights of checkpoint `step` (0: as built)."""
     shutil.copytree(run / "tiny_model", into)
     if step:
-        state = load_file(run / "checkpoints" / f"step_{step}" / "strategy" / "torch_strategy.safetensors")
-        weights = {name.removeprefix("/model/"): t.contiguous() for name, t in state.items()
-                   if name.startswith("/model/")}
-        save_file(weights, into / "model.safetensors")
+        checkpoint = strategy_dir(run / "checkpoints" / f"step_{step}") / CHECKPOINT_FILE
+        weights = load_state(checkpoint)["model"]
+        save_file({name: t.contiguous() for name, t in weights.items()}, into / "model.safetensors")
     return into
 
 
@@ -50,7 +52,7 @@ async def play_held_out(cfg: RollstreamConfig, policy: HFPolicy, sampling: Sampl
     maps = cfg.val_env_manager.num_env_groups
 
     async def play(g: int) -> Trajectory:
-        spec = EpisodeSpec("val", TAG, g, 0, 0, episode_seed(cfg.seed, "val", g, 0), 0)
+        spec = EpisodeSpec("val", TAG, g, 0, 0, held_out_seed(cfg.seed, g), 0)
         return await play_episode(make_env(TAG, cfg.custom_envs), policy, spec, sampling,
                                   chat=chat_template_of(policy), sequence_length=cfg.sequence_length)
 
