@@ -22,7 +22,7 @@ from rollstream.shared.keys import TRAINER_GROUP, Keys
 from rollstream.shared.ledger import add_control
 from rollstream.shared.messages import ControlMessage, PausedRound, ValidationEnded, ValidationStarted
 from rollstream.shared.schema import VAL_GREEDY_MEMBER, GroupDropNotice, Trajectory, parse_group_id
-from rollstream.shared.seeding import episode_seed
+from rollstream.shared.seeding import held_out_seed
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ def reference_stats(cfg: RollstreamConfig) -> dict[str, float]:
     layout = cfg.val_layout
     stats = {}
     for tag in layout.groups_per_tag():
-        seeds = [episode_seed(cfg.seed, "val", g.group_index, 0) for g in layout.groups if g.tag == tag]
+        seeds = [held_out_seed(cfg.seed, g.group_index) for g in layout.groups if g.tag == tag]
         for name in REFERENCES:
             value = reference_success(functools.partial(make_env, tag, cfg.custom_envs), seeds, name, seed=cfg.seed)
             if value is not None:

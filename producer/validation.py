@@ -19,7 +19,7 @@ from rollstream.shared.envs.registry import make_env
 from rollstream.shared.keys import Keys
 from rollstream.shared.layout import GroupSpec, Layout
 from rollstream.shared.schema import VAL_GREEDY_MEMBER, GroupDropNotice, Trajectory
-from rollstream.shared.seeding import episode_seed
+from rollstream.shared.seeding import held_out_seed
 
 log = logging.getLogger(__name__)
 
@@ -66,9 +66,8 @@ class ValidationPlayer:
 
     async def _play(self, group: GroupSpec, round_: int, member: int) -> None:
         cfg, worker = self.worker.cfg, self.worker
-        # Every round plays the same held-out maps: the seed ignores the round.
         spec = EpisodeSpec("val", group.tag, group.group_index, round_, member,
-                           episode_seed(cfg.seed, "val", group.group_index, 0), worker.rank)
+                           held_out_seed(cfg.seed, group.group_index), worker.rank)
         max_tokens = cfg.reply_tokens(group.tag)
         sampling = (Sampling(max_tokens, temperature=0.0) if member == VAL_GREEDY_MEMBER
                     else Sampling.training(max_tokens, cfg.actor_infer.generating_args))

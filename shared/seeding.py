@@ -19,6 +19,12 @@ def episode_seed(exp_seed: int, mode: str, group_index: int, episode: int) -> in
     return int(np.random.SeedSequence(entropy).generate_state(1, np.uint32)[0])
 
 
+def held_out_seed(exp_seed: int, group_index: int) -> int:
+    """The held-out map of a validation group: the same in every validation round (and for the references), so
+    rounds measure one policy against another on the same maps."""
+    return episode_seed(exp_seed, "val", group_index, 0)
+
+
 def turn_seed(episode_seed_: int, member: int, turn: int) -> int:
     """Sampling seed for one reply: members of a group differ, replays repeat."""
     return int(np.random.SeedSequence([episode_seed_, member, turn]).generate_state(1, np.uint32)[0])
