@@ -30,6 +30,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,6 +57,8 @@ class Run:
     records: list[dict[str, float]] = field(default_factory=list)
     max_steps: int | None = None
     """The config's; a run whose records end before a mark without reaching it was stopped early."""
+    label: str = ""
+    """The run's output dir name (`seed7`, or `seed42-2` for a seed's second run), for the plot's legend."""
 
     def curve(self, key: str) -> list[tuple[float, float]]:
         return [(r["minutes"], r[key]) for r in self.records if key in r]
@@ -94,8 +97,18 @@ class Run:
         return min(after) if after else None
 
 
-def run_once(config: Path, seed: int, out_root: Path, overrides: list[str], stop_minutes: float | None) -> Run:
-    out = out_root / f"seed{seed}"
+def run_dirs(out_root: Path, seeds: Sequence[int]) -> list[Path]:
+    """One output dir per run: `seed<S>`, and `seed<S>-<k>` for the k-th run of a seed given again (`--seeds 42 42
+    42`: `make run`'s seed three times, the same model built each time, runs apart only by timing)."""
+    seen: Counter[int] = Counter()
+    dirs = []
+    for seed in seeds:
+        seen[seed] += 1
+        dirs.append(out_root / (f"seed{seed}" if seen[seed] == 1 else f"seed{seed}-{seen[seed]}"))
+    return dirs
+
+
+def run_once(config: Path, seed: int, out: Path, overrides: list[str], stop_minutes: float | None) -> Run:
     cmd = [sys.executable, "-m", "rollstream", "run", str(config), f"seed={seed}", f"output_dir={out}",
            "wandb_mode=disabled", *overrides]
     print(f"--- run seed={seed}: {' '.join(cmd[2:])}", flush=True)
@@ -132,7 +145,7 @@ def trainer_minutes(out: Path) -> float:
 
 def load_run(out: Path, seed: int) -> Run:
     records = [json.loads(line) for line in (out / RECORD).read_text().splitlines() if line.strip()]
-    return Run(seed, None, records)
+    return Run(seed, None, records, label=out.name)
 
 
 def references(config: Path, seed: int, overrides: list[str]) -> dict[str, float]:
@@ -189,7 +202,7 @@ def plot(path: Path, runs: list[Run], refs: dict[str, float], title: str) -> Non
         for i, run in enumerate(runs):
             points = run.curve(key)
             if points:
-                ax.plot(*zip(*points), color=f"C{i}", marker=".", label=f"seed {run.seed}")
+                ax.plot(*zip(*points), color=f"C{i}", marker=".", label=run.label or f"seed {run.seed}")
         for j, (ref, value) in enumerate(sorted(refs.items())):
             ax.axhline(value, linestyle="--", linewidth=0.8, color="gray", alpha=0.4 + 0.2 * j, label=ref)
         ax.set_title(f"held-out success, {name}")
@@ -205,7 +218,8 @@ def plot(path: Path, runs: list[Run], refs: dict[str, float], title: str) -> Non
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--seeds", type=int, nargs="*", help="default: 1..runs")
+    parser.add_argument("--seeds", type=int, nargs="*",
+                        help="default: 1..runs; a seed given again runs again (42 42 42: make run's seed, 3 runs)")
     parser.add_argument("--config", type=Path, default=REPO / "configs" / "frozen_lake.yaml")
     parser.add_argument("--out", type=Path, default=REPO / "output" / "learning_runs")
     parser.add_argument("--report-only", action="store_true",
@@ -220,10 +234,12 @@ def main() -> None:
     cfg = load_config(args.config, args.overrides)
     env_name = "+".join(cfg.train_env_manager.tags)
     out_root = args.out / cfg.exp_name
+    dirs = run_dirs(out_root, seeds)
     if args.report_only:
-        runs = [load_run(out_root / f"seed{seed}", seed) for seed in seeds]
+        runs = [load_run(out, seed) for seed, out in zip(seeds, dirs)]
     else:
-        runs = [run_once(args.config, seed, out_root, args.overrides, args.stop_after_minutes) for seed in seeds]
+        runs = [run_once(args.config, seed, out, args.overrides, args.stop_after_minutes)
+                for seed, out in zip(seeds, dirs)]
     for run in runs:
         run.max_steps = cfg.max_steps
 
