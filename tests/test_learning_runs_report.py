@@ -51,3 +51,8 @@ def test_a_run_stopped_before_a_mark_has_no_value_there_one_that_finished_keeps_
     rows = {row[0]: row[1] for row in learning_runs.summary_rows([_run(curve, 400), _run([(14, 0.7), (16, 0.8)], 400)],
                                                                  marks=(15,))}
     assert rows["15 min"] == "0.70 / 0.70 / 0.70"  # the stopped run is left out, not counted at its last value
+
+
+def test_a_seed_given_again_runs_in_its_own_dir() -> None:
+    dirs = learning_runs.run_dirs(Path("out"), [42, 7, 42, 42])
+    assert [d.name for d in dirs] == ["seed42", "seed7", "seed42-2", "seed42-3"]
