@@ -10,7 +10,8 @@ first turn ending in `<answer>`):
 - **map dependence** of the build's own move distribution (renormalised over the four moves): the mutual
   information between the map and the move in nats (the mean KL from each position's distribution to their
   average), the share of positions whose likeliest move is the build's commonest one (1.0: one fixed move), that
-  average distribution (`p_<move>`) and the held-out accuracy of the likeliest move (`as_built`);
+  average distribution (`p_<move>`) and the held-out accuracy of the likeliest move (`as_built`); and the
+  probability that the reply opens with a `<think>` (`p_think`, the warm start taught 0.5);
 - **linear probe**: a logistic regression on the frozen last hidden state at the answer, trained to name a move
   that starts a shortest safe path; held-out accuracy says what the build's features already hold;
 - **fine-tuning**: the whole build trained on the same target at the main job's learning rate (3e-4, AdamW,
@@ -38,10 +39,11 @@ BATCH = 32
 LEARNING_RATE = 3e-4  # the shipped config's actor_train learning rate
 
 
-def answer_states(model: torch.nn.Module, rows: list[list[int]], pad: int, action_ids: torch.Tensor
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The move logits and the last hidden state at each row's final position, in batches."""
-    logits, hidden = [], []
+def answer_states(model: torch.nn.Module, rows: list[list[int]], pad: int, action_ids: torch.Tensor,
+                  think_id: int = -1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The move logits and the last hidden state at each row's final position (after `<answer>`), and the
+    probability of opening the reply with `think_id` at the position before it, in batches."""
+    logits, hidden, thinks = [], [], []
     for i in range(0, len(rows), 128):
         chunk = rows[i:i + 128]
         width = max(map(len, chunk))
@@ -51,7 +53,8 @@ def answer_states(model: torch.nn.Module, rows: list[list[int]], pad: int, actio
         row, last = torch.arange(len(chunk)), torch.tensor([len(r) - 1 for r in chunk])
         logits.append(out.logits[row, last][:, action_ids])
         hidden.append(out.hidden_states[-1][row, last])
-    return torch.cat(logits), torch.cat(hidden)
+        thinks.append(out.logits[row, last - 1].softmax(-1)[:, think_id])
+    return torch.cat(logits), torch.cat(hidden), torch.cat(thinks)
 
 
 def right_moves(positions: list[Position]) -> torch.Tensor:
@@ -106,17 +109,19 @@ def probe_build(model_dir: str, train: list[Position], held_out: list[Position],
     right, held_right = right_moves(train), right_moves(held_out)
     pad = tokenizer.pad_token_id
     model.eval()
+    think_id = tokenizer.convert_tokens_to_ids("<think>")
     with torch.no_grad():
-        _, train_x = answer_states(model, rows, pad, action_ids)
-        held_logits, held_x = answer_states(model, held_rows, pad, action_ids)
-    result = {**map_dependence(held_logits), "as_built": accuracy(held_logits, held_right),
+        _, train_x, _ = answer_states(model, rows, pad, action_ids)
+        held_logits, held_x, thinks = answer_states(model, held_rows, pad, action_ids, think_id)
+    result = {"p_think": thinks.mean().item(), **map_dependence(held_logits),
+              "as_built": accuracy(held_logits, held_right),
               "linear_probe": linear_probe(train_x, right, held_x, held_right)}
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, weight_decay=0.0)
     rng = random.Random(0)  # every build sees the same batches
     for step in range(1, max(steps) + 1):
         batch = rng.sample(range(len(rows)), BATCH)
-        logits, _ = answer_states(model, [rows[i] for i in batch], pad, action_ids)
+        logits, *_ = answer_states(model, [rows[i] for i in batch], pad, action_ids)
         loss = shortest_move_loss(logits, right[batch])
         optimizer.zero_grad()
         loss.backward()
