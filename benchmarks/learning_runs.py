@@ -227,7 +227,8 @@ def main() -> None:
     parser.add_argument("--stop-after-minutes", type=float, default=None, metavar="M",
                         help="stop each run M minutes after its trainer started (e.g. 16 for the 15-minute figure)")
     parser.add_argument("--minutes", type=float, nargs="+", default=list(MINUTES), metavar="M",
-                        help="wall-clock marks of the table and the CSV (default: 5 10 15)")
+                        help="wall-clock marks of the table and the CSV (default: 5 10 15); "
+                             "key=value overrides go before it (it takes every value that follows)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides for every run")
     args = parser.parse_args()
     seeds = args.seeds or list(range(1, args.runs + 1))
