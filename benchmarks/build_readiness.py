@@ -29,7 +29,7 @@ import statistics
 from pathlib import Path
 
 import torch
-from map_reading_probe import Position, encode, lake_positions
+from map_reading_probe import Position, encode, lake_positions, shortest_move_loss
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
 from rollstream.shared.envs.frozen_lake import ACTIONS
@@ -59,11 +59,6 @@ def answer_states(model: torch.nn.Module, rows: list[list[int]], pad: int, actio
 
 def right_moves(positions: list[Position]) -> torch.Tensor:
     return torch.tensor([[a in moves for a in ACTIONS] for _, _, moves in positions])
-
-
-def shortest_move_loss(logits: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
-    """Every shortest move is a right answer: maximise their total probability."""
-    return -(torch.logsumexp(logits.masked_fill(~right, -1e9), -1) - torch.logsumexp(logits, -1)).mean()
 
 
 def accuracy(logits: torch.Tensor, right: torch.Tensor) -> float:

@@ -138,6 +138,11 @@ def last_logits(model: Qwen2ForCausalLM, rows: list[list[int]], pad: int) -> tor
     return logits[torch.arange(len(rows)), torch.tensor([len(r) - 1 for r in rows])]
 
 
+def shortest_move_loss(logits: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+    """Every shortest move is a right answer: maximise their total probability."""
+    return -(torch.logsumexp(logits.masked_fill(~right, -1e9), -1) - torch.logsumexp(logits, -1)).mean()
+
+
 def probe(variant: Variant, actions: tuple[str, ...], seed: int, steps: int, train: list[Position],
           held_out: list[Position]) -> dict[str, float]:
     tokenizer = train_tokenizer(env_texts(corpus_envs(), 200, seed), 1024, cell_wise=variant.cell_wise)
@@ -153,9 +158,8 @@ def probe(variant: Variant, actions: tuple[str, ...], seed: int, steps: int, tra
     for _ in range(steps):
         batch = rng.sample(range(len(rows)), 32)
         logits = last_logits(model, [rows[i] for i in batch], tokenizer.pad_token_id)[:, action_ids]
-        # Every shortest move is a right answer: maximise their total probability.
         right = torch.tensor([[a in train[i][2] for a in actions] for i in batch])
-        loss = -(torch.logsumexp(logits.masked_fill(~right, -1e9), -1) - torch.logsumexp(logits, -1)).mean()
+        loss = shortest_move_loss(logits, right)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
