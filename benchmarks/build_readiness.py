@@ -29,7 +29,7 @@ import statistics
 from pathlib import Path
 
 import torch
-from map_reading_probe import Position, encode, lake_positions, shortest_move_loss
+from map_reading_probe import Position, encode, lake_positions, last_logits, shortest_move_loss
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
 from rollstream.shared.envs.frozen_lake import ACTIONS
@@ -40,7 +40,7 @@ LEARNING_RATE = 3e-4  # the shipped config's actor_train learning rate
 
 
 def answer_states(model: torch.nn.Module, rows: list[list[int]], pad: int, action_ids: torch.Tensor,
-                  think_id: int = -1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  think_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The move logits and the last hidden state at each row's final position (after `<answer>`), and the
     probability of opening the reply with `think_id` at the position before it, in batches."""
     logits, hidden, thinks = [], [], []
@@ -106,7 +106,7 @@ def probe_build(model_dir: str, train: list[Position], held_out: list[Position],
     model.eval()
     think_id = tokenizer.convert_tokens_to_ids("<think>")
     with torch.no_grad():
-        _, train_x, _ = answer_states(model, rows, pad, action_ids)
+        _, train_x, _ = answer_states(model, rows, pad, action_ids, think_id)
         held_logits, held_x, thinks = answer_states(model, held_rows, pad, action_ids, think_id)
     result = {"p_think": thinks.mean().item(), **map_dependence(held_logits),
               "as_built": accuracy(held_logits, held_right),
@@ -116,15 +116,13 @@ def probe_build(model_dir: str, train: list[Position], held_out: list[Position],
     rng = random.Random(0)  # every build sees the same batches
     for step in range(1, max(steps) + 1):
         batch = rng.sample(range(len(rows)), BATCH)
-        logits, *_ = answer_states(model, [rows[i] for i in batch], pad, action_ids)
-        loss = shortest_move_loss(logits, right[batch])
+        loss = shortest_move_loss(last_logits(model, [rows[i] for i in batch], pad)[:, action_ids], right[batch])
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
         if step in steps:
             with torch.no_grad():
-                result[f"finetuned_{step}"] = accuracy(answer_states(model, held_rows, pad, action_ids)[0],
-                                                       held_right)
+                result[f"finetuned_{step}"] = accuracy(last_logits(model, held_rows, pad)[:, action_ids], held_right)
     return result
 
 
