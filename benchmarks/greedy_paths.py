@@ -63,7 +63,7 @@ async def greedy_and_sampled(cfg: RollstreamConfig, model: Path) -> tuple[list[T
     max_tokens = cfg.reply_tokens(TAG)
     policy = HFPolicy(model, seed=cfg.seed)
     try:
-        greedy = await play_held_out(cfg, policy, Sampling(max_tokens, temperature=0.0), 1)
+        greedy = await play_held_out(cfg, policy, Sampling.greedy(max_tokens, cfg.actor_infer.generating_args), 1)
         sampled = Sampling.training(max_tokens, cfg.actor_infer.generating_args)
         return greedy, await play_held_out(cfg, policy, sampled, SAMPLED_ROUNDS)
     finally:

@@ -45,6 +45,7 @@ class Sampling:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    bad_words: tuple[str, ...] = ()
 
     @classmethod
     def training(cls, max_tokens: int, gen: GeneratingArgs) -> Sampling:
@@ -52,7 +53,12 @@ class Sampling:
         the tag's max_tokens_per_step."""
         if gen.max_new_tokens is not None:
             max_tokens = min(max_tokens, gen.max_new_tokens)
-        return cls(max_tokens, gen.temperature, gen.top_p, gen.top_k)
+        return cls(max_tokens, gen.temperature, gen.top_p, gen.top_k, tuple(gen.bad_words))
+
+    @classmethod
+    def greedy(cls, max_tokens: int, gen: GeneratingArgs) -> Sampling:
+        """Validation's greedy member: temperature 0, and the same banned words as training (the same policy)."""
+        return cls(max_tokens, temperature=0.0, bad_words=tuple(gen.bad_words))
 
 
 async def play_episode(env: TextEnv, policy: Policy, spec: EpisodeSpec, sampling: Sampling,
@@ -78,7 +84,8 @@ async def play_episode(env: TextEnv, policy: Policy, spec: EpisodeSpec, sampling
         request = GenerateRequest(
             messages=list(transcript.messages),
             sampling=SamplingParams(transcript.reply_budget(sampling.max_tokens), sampling.temperature,
-                                    sampling.top_p, sampling.top_k, seed=turn_seed(spec.seed, spec.member, t)),
+                                    sampling.top_p, sampling.top_k, seed=turn_seed(spec.seed, spec.member, t),
+                                    bad_words=sampling.bad_words),
             prompt_ids=transcript.prompt_ids,
             action_names=env.action_names,
             min_version=spec.admission_version,

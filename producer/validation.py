@@ -69,8 +69,9 @@ class ValidationPlayer:
         spec = EpisodeSpec("val", group.tag, group.group_index, round_, member,
                            held_out_seed(cfg.seed, group.group_index), worker.rank)
         max_tokens = cfg.reply_tokens(group.tag)
-        sampling = (Sampling(max_tokens, temperature=0.0) if member == VAL_GREEDY_MEMBER
-                    else Sampling.training(max_tokens, cfg.actor_infer.generating_args))
+        gen = cfg.actor_infer.generating_args
+        sampling = (Sampling.greedy(max_tokens, gen) if member == VAL_GREEDY_MEMBER
+                    else Sampling.training(max_tokens, gen))
         try:
             traj = await worker.play(make_env(group.tag, cfg.custom_envs), spec, sampling)
         except asyncio.CancelledError:

@@ -21,6 +21,7 @@ from pydantic.dataclasses import dataclass
 
 from rollstream.shared.config_values import (
     attn_alias,
+    check_bad_word,
     check_exp_name,
     check_redis_url,
     check_resume,
@@ -174,6 +175,9 @@ class GeneratingArgs:
     """Keep the k most likely tokens; -1 keeps all."""
     temperature: Annotated[float, Field(ge=0.0)] = 1.0
     """Sampling temperature; 0 is greedy."""
+    bad_words: list[Annotated[str, AfterValidator(check_bad_word)]] = field(default_factory=list)
+    """Text the policy may not generate, in training and validation alike (vLLM's SamplingParams.bad_words): the
+    last token of a word is banned right after its other tokens. `["<think>"]` takes the think path away."""
     num_return_sequences: Literal[1] = 1
     """One reply per env per turn; GRPO samples come from train_env_manager.group_size, not from this."""
     num_beams: Literal[1] = 1

@@ -55,6 +55,13 @@ def check_exp_name(name: str) -> str:
     return name
 
 
+def check_bad_word(word: str) -> str:
+    if not word.strip():
+        raise ValueError("a bad word must hold some text: an empty one would ban nothing (vLLM refuses it); "
+                         "remove it from the list")
+    return word
+
+
 def redact_url(url: str) -> str:
     """The URL with any password (user:password@ or ?password=) replaced by ***: for output, files and logs."""
     try:

@@ -21,6 +21,8 @@ class SamplingParams:
     top_k: int = -1
     seed: int | None = None
     """Per-request seed, so a replayed episode samples the same tokens where the backend allows it."""
+    bad_words: tuple[str, ...] = ()
+    """Text never to generate: a word's last token is banned right after its other tokens (vLLM's semantics)."""
 
 
 @dataclass

@@ -53,6 +53,15 @@ def _filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
+def _ban_bad_words(logits: torch.Tensor, bad_words: list[list[list[int]]], generated: list[list[int]]) -> None:
+    """In place: -inf on the last token of each row's bad words whose other tokens that row generated last."""
+    for row, (words, past) in enumerate(zip(bad_words, generated)):
+        for word in words:
+            head = word[:-1]
+            if len(past) >= len(head) and past[len(past) - len(head):] == head:
+                logits[row, word[-1]] = -torch.inf
+
+
 class HFPolicy:
     """A Policy backed by a transformers causal LM; batches the concurrent requests of one worker's envs."""
 
@@ -81,6 +90,7 @@ class HFPolicy:
         pad = self.tokenizer.pad_token_id
         self.pad_id = int(pad if pad is not None else min(self.stop_ids))
         self._generator = torch.Generator().manual_seed(seed)
+        self._bad_words: dict[tuple[str, ...], list[list[int]]] = {}
         self._version = version
         self._queue: asyncio.Queue[_Pending] = asyncio.Queue()
         self._server: asyncio.Task[None] | None = None
@@ -99,6 +109,20 @@ class HFPolicy:
 
     def prompt_token_ids(self, request: GenerateRequest) -> list[int]:
         return request_prompt_ids(self.tokenizer, request)
+
+    def bad_word_ids(self, words: tuple[str, ...]) -> list[list[int]]:
+        """Token ids of each bad word, and of its space-prefixed form where that is other tokens of the same
+        count: the forms vLLM bans, so both backends sample from the same distribution."""
+        if words not in self._bad_words:
+            forms: list[list[int]] = []
+            for word in words:
+                bare = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+                if not bare:
+                    raise ValueError(f"bad word {word!r} is no token of this tokenizer: remove it from bad_words")
+                spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+                forms += [bare] + ([spaced] if len(spaced) == len(bare) and spaced[0] != bare[0] else [])
+            self._bad_words[words] = forms
+        return self._bad_words[words]
 
     async def generate(self, request: GenerateRequest) -> Generation:
         if self._server is None or self._server.done():
@@ -141,6 +165,7 @@ class HFPolicy:
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
         generators = [torch.Generator().manual_seed(p.seed) if p.seed is not None else self._generator for p in params]
+        bad_words = [self.bad_word_ids(p.bad_words) for p in params]
         greedy = torch.tensor([p.temperature <= 0 for p in params])
         limits = torch.tensor([p.max_tokens for p in params])
         tokens: list[list[int]] = [[] for _ in requests]
@@ -149,7 +174,8 @@ class HFPolicy:
         next_pos = positions[:, -1]
         for _ in range(int(limits.max().item())):
             logits = out.logits[:, -1].float().cpu()
-            raw = logits.log_softmax(-1)
+            raw = logits.log_softmax(-1)  # before the bans and filters: the policy's own logprob, as vLLM's raw
+            _ban_bad_words(logits, bad_words, tokens)
             probs = _filter_logits(logits, params).softmax(-1)
             # Inverse-CDF sampling with one uniform per row from that row's generator: seeded rows reproduce.
             u = torch.cat([torch.rand(1, generator=g) for g in generators])

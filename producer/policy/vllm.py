@@ -171,6 +171,7 @@ class VLLMPolicy:
             top_p=s.top_p,
             top_k=max(s.top_k, 0),  # vLLM: 0 disables top-k; our -1 means the same
             seed=s.seed,
+            bad_words=list(s.bad_words) or None,
             logprobs=0,  # the sampled token's logprob only
             output_kind=RequestOutputKind.FINAL_ONLY,
         )

@@ -180,6 +180,8 @@ class VLLMServerPolicy:
                                 # the text is decoded here: the server's process shares the CPU with the engine
                                 "detokenize": False},
         }
+        if s.bad_words:
+            body["sampling_params"]["bad_words"] = list(s.bad_words)
         for _ in range(REPLY_RETRIES + 1):
             await self.wait_for_version(request.min_version)
             engine = self._pick(request.min_version)

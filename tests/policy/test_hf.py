@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TypeVar
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from rollstream.producer.policy.base import GenerateRequest, Generation, SamplingParams
-from rollstream.producer.policy.hf import HFPolicy
+from rollstream.producer.policy.hf import HFPolicy, _ban_bad_words
 from rollstream.shared.weights_io import WeightsDigestError
 
 from .helpers import TinyVersions, reference_logprobs, until
@@ -127,3 +128,40 @@ def test_close_fails_waiting_requests_instead_of_hanging(tied_model: TinyVersion
 
     for outcome in run_with(tied_model.v0, body):
         assert isinstance(outcome, RuntimeError) and "closed" in str(outcome)
+
+
+def _word_of(policy: HFPolicy, ids: list[int]) -> str | None:
+    """The text of `ids` if it tokenizes back to exactly those ids (as a bad word is tokenized), else None."""
+    word = str(policy.tokenizer.decode(ids))
+    return word if word.strip() and policy.bad_word_ids((word,))[0] == ids else None
+
+
+def test_a_bad_word_is_never_generated_and_logprobs_stay_the_policys_own(tied_model: TinyVersions) -> None:
+    """The token the policy samples most often, once banned, is never sampled; the logprobs stay those of the
+    whole distribution (the policy's own, as vLLM's raw_logprobs)."""
+
+    async def body(policy: HFPolicy) -> tuple[np.ndarray, set[int], list[Generation]]:
+        prompt = np.asarray(policy.prompt_token_ids(GenerateRequest(MESSAGES, SamplingParams(8))))
+
+        async def replies(bad_words: tuple[str, ...]) -> list[Generation]:
+            # top_k 2 makes each step a choice between two tokens: a banned one would come up often
+            requests = [GenerateRequest(MESSAGES, SamplingParams(12, top_k=2, seed=s, bad_words=bad_words),
+                                        prompt_ids=prompt) for s in range(8)]
+            return list(await asyncio.gather(*map(policy.generate, requests)))
+
+        counts = Counter(t for g in await replies(()) for t in g.token_ids.tolist())
+        word = next(w for t, _ in counts.most_common() if (w := _word_of(policy, [t])))
+        banned = {ids[-1] for ids in policy.bad_word_ids((word,))}
+        return prompt, banned, await replies((word,))
+
+    prompt, banned, gens = run_with(tied_model.v0, body)
+    for gen in gens:
+        assert not banned & set(gen.token_ids.tolist())
+        assert_logprobs_match(tied_model.v0, prompt, gen)
+
+
+def test_a_words_last_token_is_banned_only_right_after_its_others() -> None:
+    logits = torch.zeros(3, 6)
+    words = [[[4], [1, 2, 3]]] * 3
+    _ban_bad_words(logits, words, [[], [5, 1, 2], [1, 2, 0]])
+    assert torch.isinf(logits).nonzero().tolist() == [[0, 4], [1, 3], [1, 4], [2, 4]]
