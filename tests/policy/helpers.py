@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,6 +12,7 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
+from rollstream.producer.policy.hf import HFPolicy
 from rollstream.shared.weights_io import save_pretrained_atomically
 from rollstream.tiny_model import build_tiny_model
 
@@ -58,3 +60,12 @@ async def until(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
     while not condition():
         assert loop.time() < deadline, f"condition not met within {timeout_s} s"
         await asyncio.sleep(0.001)
+
+
+def most_common_word(policy: HFPolicy, counts: Counter[int]) -> str:
+    """The text of the most often sampled token that tokenizes back to itself alone, as a bad word would."""
+    for token, _ in counts.most_common():
+        word = str(policy.tokenizer.decode([token]))
+        if word.strip() and policy.bad_word_ids((word,))[0] == [token]:
+            return word
+    raise AssertionError(f"no sampled token is a word of its own: {counts}")

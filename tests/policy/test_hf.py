@@ -16,7 +16,7 @@ from rollstream.producer.policy.base import GenerateRequest, Generation, Samplin
 from rollstream.producer.policy.hf import HFPolicy, _ban_bad_words
 from rollstream.shared.weights_io import WeightsDigestError
 
-from .helpers import TinyVersions, reference_logprobs, until
+from .helpers import TinyVersions, most_common_word, reference_logprobs, until
 
 T = TypeVar("T")
 MESSAGES = [
@@ -130,12 +130,6 @@ def test_close_fails_waiting_requests_instead_of_hanging(tied_model: TinyVersion
         assert isinstance(outcome, RuntimeError) and "closed" in str(outcome)
 
 
-def _word_of(policy: HFPolicy, ids: list[int]) -> str | None:
-    """The text of `ids` if it tokenizes back to exactly those ids (as a bad word is tokenized), else None."""
-    word = str(policy.tokenizer.decode(ids))
-    return word if word.strip() and policy.bad_word_ids((word,))[0] == ids else None
-
-
 def test_a_bad_word_is_never_generated_and_logprobs_stay_the_policys_own(tied_model: TinyVersions) -> None:
     """The token the policy samples most often, once banned, is never sampled; the logprobs stay those of the
     whole distribution (the policy's own, as vLLM's raw_logprobs)."""
@@ -150,7 +144,7 @@ def test_a_bad_word_is_never_generated_and_logprobs_stay_the_policys_own(tied_mo
             return list(await asyncio.gather(*map(policy.generate, requests)))
 
         counts = Counter(t for g in await replies(()) for t in g.token_ids.tolist())
-        word = next(w for t, _ in counts.most_common() if (w := _word_of(policy, [t])))
+        word = most_common_word(policy, counts)
         banned = {ids[-1] for ids in policy.bad_word_ids((word,))}
         return prompt, banned, await replies((word,))
 

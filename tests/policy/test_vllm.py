@@ -8,6 +8,7 @@ engine to version 1.
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from collections.abc import Coroutine, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +23,7 @@ from rollstream.producer.policy.hf import HFPolicy
 from rollstream.producer.policy.vllm import VLLMPolicy
 from rollstream.shared.weights_io import WeightsDigestError, compute_digest
 
-from .helpers import TinyVersions, reference_logprobs, until
+from .helpers import TinyVersions, most_common_word, reference_logprobs, until
 
 T = TypeVar("T")
 pytestmark = [
@@ -119,6 +120,29 @@ def test_seeded_requests_reproduce_and_greedy_matches_transformers(engine: Engin
             await hf.close()
 
     assert g.token_ids.tolist() == asyncio.run(hf_greedy()).token_ids.tolist()
+
+
+def test_bad_words_are_never_generated_and_tokenized_as_in_transformers(engine: Engine) -> None:
+    from vllm import SamplingParams as VLLMSamplingParams
+    from vllm.tokenizers import get_tokenizer
+
+    prompt = engine.prompt()
+
+    async def replies(bad_words: tuple[str, ...]) -> list[Generation]:
+        # top_k 2 makes each step a choice between two tokens: a banned one would come up often
+        requests = [GenerateRequest([], SamplingParams(12, top_k=2, seed=s, bad_words=bad_words), prompt_ids=prompt)
+                    for s in range(8)]
+        return list(await asyncio.gather(*map(engine.policy.generate, requests)))
+
+    hf = HFPolicy(engine.model.v0)  # its tokenization of bad words only
+    word = most_common_word(hf, Counter(t for g in engine.run(replies(())) for t in g.token_ids.tolist()))
+    reference = VLLMSamplingParams(bad_words=[word])
+    reference.update_from_tokenizer(get_tokenizer(str(engine.model.v0)))
+    assert reference.bad_words_token_ids == hf.bad_word_ids((word,))
+    banned = {ids[-1] for ids in hf.bad_word_ids((word,))}
+    for gen in engine.run(replies((word,))):
+        assert not banned & set(gen.token_ids.tolist())
+        assert_parity(engine.model.v0, prompt, gen)
 
 
 def test_multi_turn_token_in_token_out(engine: Engine) -> None:

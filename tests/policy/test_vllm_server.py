@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Coroutine, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,7 @@ import pytest
 import redis
 
 from rollstream.producer.policy.base import GenerateRequest, Generation, SamplingParams
+from rollstream.producer.policy.hf import HFPolicy
 from rollstream.producer.policy.vllm_server import EngineUnreachable, VLLMServerPolicy
 from rollstream.shared.config import RollstreamConfig, dump_config, load_config
 from rollstream.shared.embedded import EmbeddedRedis, free_port
@@ -32,7 +34,7 @@ from rollstream.shared.engines import engine_plans
 from rollstream.shared.keys import Keys
 from rollstream.shared.redis_io import URL_ENV
 
-from .helpers import TinyVersions, reference_logprobs
+from .helpers import TinyVersions, most_common_word, reference_logprobs
 
 T = TypeVar("T")
 REPO = Path(__file__).resolve().parents[2]
@@ -205,6 +207,22 @@ def test_generation_through_the_server_returns_tokens_logprobs_and_version(serve
     assert again.token_ids.tolist() == gens[0].token_ids.tolist()  # seeded: the same tokens
     beat = server.client.hgetall(server.keys.engine(0))
     assert beat[b"loaded_version"] == b"0" and beat[b"url"].decode() == engine_plans(server.cfg)[0].url
+
+
+def test_bad_words_reach_the_server(server: Server) -> None:
+    prompt = server.prompt()
+
+    async def replies(bad_words: tuple[str, ...]) -> list[Generation]:
+        # top_k 2 makes each step a choice between two tokens: a banned one would come up often
+        requests = [GenerateRequest([], SamplingParams(12, top_k=2, seed=s, bad_words=bad_words), prompt_ids=prompt)
+                    for s in range(6)]
+        return list(await asyncio.gather(*(server.policy.generate(r) for r in requests)))
+
+    hf = HFPolicy(server.model.v0)  # its tokenization of bad words only (test_vllm checks it is vLLM's)
+    word = most_common_word(hf, Counter(t for g in server.run(replies(())) for t in g.token_ids.tolist()))
+    banned = {ids[-1] for ids in hf.bad_word_ids((word,))}
+    for gen in server.run(replies((word,))):
+        assert not banned & set(gen.token_ids.tolist())
 
 
 def test_a_version_is_reloaded_once_with_its_digest_checked_and_gives_transformers_logprobs(server: Server) -> None:
