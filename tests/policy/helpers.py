@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
+from rollstream.producer.policy.base import GenerateRequest, SamplingParams
 from rollstream.producer.policy.hf import HFPolicy
 from rollstream.shared.weights_io import save_pretrained_atomically
 from rollstream.tiny_model import build_tiny_model
@@ -60,6 +61,12 @@ async def until(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
     while not condition():
         assert loop.time() < deadline, f"condition not met within {timeout_s} s"
         await asyncio.sleep(0.001)
+
+
+def top2_requests(prompt: np.ndarray, bad_words: tuple[str, ...], n: int) -> list[GenerateRequest]:
+    """`n` seeded requests at top_k 2: each step a choice between two tokens, so a banned one would come up often."""
+    return [GenerateRequest([], SamplingParams(12, top_k=2, seed=s, bad_words=bad_words), prompt_ids=prompt)
+            for s in range(n)]
 
 
 def most_common_word(policy: HFPolicy, counts: Counter[int]) -> str:

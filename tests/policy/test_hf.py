@@ -16,7 +16,7 @@ from rollstream.producer.policy.base import GenerateRequest, Generation, Samplin
 from rollstream.producer.policy.hf import HFPolicy, _ban_bad_words
 from rollstream.shared.weights_io import WeightsDigestError
 
-from .helpers import TinyVersions, most_common_word, reference_logprobs, until
+from .helpers import TinyVersions, most_common_word, reference_logprobs, top2_requests, until
 
 T = TypeVar("T")
 MESSAGES = [
@@ -138,10 +138,7 @@ def test_a_bad_word_is_never_generated_and_logprobs_stay_the_policys_own(tied_mo
         prompt = np.asarray(policy.prompt_token_ids(GenerateRequest(MESSAGES, SamplingParams(8))))
 
         async def replies(bad_words: tuple[str, ...]) -> list[Generation]:
-            # top_k 2 makes each step a choice between two tokens: a banned one would come up often
-            requests = [GenerateRequest(MESSAGES, SamplingParams(12, top_k=2, seed=s, bad_words=bad_words),
-                                        prompt_ids=prompt) for s in range(8)]
-            return list(await asyncio.gather(*map(policy.generate, requests)))
+            return list(await asyncio.gather(*map(policy.generate, top2_requests(prompt, bad_words, 8))))
 
         counts = Counter(t for g in await replies(()) for t in g.token_ids.tolist())
         word = most_common_word(policy, counts)

@@ -23,7 +23,7 @@ from rollstream.producer.policy.hf import HFPolicy
 from rollstream.producer.policy.vllm import VLLMPolicy
 from rollstream.shared.weights_io import WeightsDigestError, compute_digest
 
-from .helpers import TinyVersions, most_common_word, reference_logprobs, until
+from .helpers import TinyVersions, most_common_word, reference_logprobs, top2_requests, until
 
 T = TypeVar("T")
 pytestmark = [
@@ -129,10 +129,7 @@ def test_bad_words_are_never_generated_and_tokenized_as_in_transformers(engine: 
     prompt = engine.prompt()
 
     async def replies(bad_words: tuple[str, ...]) -> list[Generation]:
-        # top_k 2 makes each step a choice between two tokens: a banned one would come up often
-        requests = [GenerateRequest([], SamplingParams(12, top_k=2, seed=s, bad_words=bad_words), prompt_ids=prompt)
-                    for s in range(8)]
-        return list(await asyncio.gather(*map(engine.policy.generate, requests)))
+        return list(await asyncio.gather(*map(engine.policy.generate, top2_requests(prompt, bad_words, 8))))
 
     hf = HFPolicy(engine.model.v0)  # its tokenization of bad words only
     word = most_common_word(hf, Counter(t for g in engine.run(replies(())) for t in g.token_ids.tolist()))

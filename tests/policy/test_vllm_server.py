@@ -34,7 +34,7 @@ from rollstream.shared.engines import engine_plans
 from rollstream.shared.keys import Keys
 from rollstream.shared.redis_io import URL_ENV
 
-from .helpers import TinyVersions, most_common_word, reference_logprobs
+from .helpers import TinyVersions, most_common_word, reference_logprobs, top2_requests
 
 T = TypeVar("T")
 REPO = Path(__file__).resolve().parents[2]
@@ -213,10 +213,7 @@ def test_bad_words_reach_the_server(server: Server) -> None:
     prompt = server.prompt()
 
     async def replies(bad_words: tuple[str, ...]) -> list[Generation]:
-        # top_k 2 makes each step a choice between two tokens: a banned one would come up often
-        requests = [GenerateRequest([], SamplingParams(12, top_k=2, seed=s, bad_words=bad_words), prompt_ids=prompt)
-                    for s in range(6)]
-        return list(await asyncio.gather(*(server.policy.generate(r) for r in requests)))
+        return list(await asyncio.gather(*map(server.policy.generate, top2_requests(prompt, bad_words, 6))))
 
     hf = HFPolicy(server.model.v0)  # its tokenization of bad words only (test_vllm checks it is vLLM's)
     word = most_common_word(hf, Counter(t for g in server.run(replies(())) for t in g.token_ids.tolist()))
