@@ -14,6 +14,7 @@ import asyncio
 import os
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -51,6 +52,19 @@ def _filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
     drop |= mass_before >= top_p
     sorted_logits = sorted_logits.masked_fill(drop, -torch.inf)
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def bad_word_ids(tokenizer: Any, words: tuple[str, ...]) -> list[list[int]]:
+    """Token ids of each bad word, and of its space-prefixed form where that is other tokens of the same count:
+    the forms vLLM bans, so both backends sample from the same distribution."""
+    forms: list[list[int]] = []
+    for word in words:
+        bare = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        if not bare:
+            raise ValueError(f"bad word {word!r} is no token of this tokenizer: remove it from bad_words")
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        forms += [bare] + ([spaced] if len(spaced) == len(bare) and spaced[0] != bare[0] else [])
+    return forms
 
 
 def _ban_bad_words(logits: torch.Tensor, bad_words: list[list[list[int]]], generated: list[list[int]]) -> None:
@@ -110,18 +124,10 @@ class HFPolicy:
     def prompt_token_ids(self, request: GenerateRequest) -> list[int]:
         return request_prompt_ids(self.tokenizer, request)
 
-    def bad_word_ids(self, words: tuple[str, ...]) -> list[list[int]]:
-        """Token ids of each bad word, and of its space-prefixed form where that is other tokens of the same
-        count: the forms vLLM bans, so both backends sample from the same distribution."""
+    def _bad_word_ids(self, words: tuple[str, ...]) -> list[list[int]]:
+        """bad_word_ids, tokenized once per set of words rather than at every batch."""
         if words not in self._bad_words:
-            forms: list[list[int]] = []
-            for word in words:
-                bare = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
-                if not bare:
-                    raise ValueError(f"bad word {word!r} is no token of this tokenizer: remove it from bad_words")
-                spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
-                forms += [bare] + ([spaced] if len(spaced) == len(bare) and spaced[0] != bare[0] else [])
-            self._bad_words[words] = forms
+            self._bad_words[words] = bad_word_ids(self.tokenizer, words)
         return self._bad_words[words]
 
     async def generate(self, request: GenerateRequest) -> Generation:
@@ -165,7 +171,7 @@ class HFPolicy:
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
         generators = [torch.Generator().manual_seed(p.seed) if p.seed is not None else self._generator for p in params]
-        bad_words = [self.bad_word_ids(p.bad_words) for p in params]
+        bad_words = [self._bad_word_ids(p.bad_words) for p in params]
         greedy = torch.tensor([p.temperature <= 0 for p in params])
         limits = torch.tensor([p.max_tokens for p in params])
         tokens: list[list[int]] = [[] for _ in requests]

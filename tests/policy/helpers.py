@@ -7,13 +7,14 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
 from rollstream.producer.policy.base import GenerateRequest, SamplingParams
-from rollstream.producer.policy.hf import HFPolicy
+from rollstream.producer.policy.hf import bad_word_ids
 from rollstream.shared.weights_io import save_pretrained_atomically
 from rollstream.tiny_model import build_tiny_model
 
@@ -69,10 +70,10 @@ def top2_requests(prompt: np.ndarray, bad_words: tuple[str, ...], n: int) -> lis
             for s in range(n)]
 
 
-def most_common_word(policy: HFPolicy, counts: Counter[int]) -> str:
+def most_common_word(tokenizer: Any, counts: Counter[int]) -> str:
     """The text of the most often sampled token that tokenizes back to itself alone, as a bad word would."""
     for token, _ in counts.most_common():
-        word = str(policy.tokenizer.decode([token]))
-        if word.strip() and policy.bad_word_ids((word,))[0] == [token]:
+        word = str(tokenizer.decode([token]))
+        if word.strip() and bad_word_ids(tokenizer, (word,))[0] == [token]:
             return word
     raise AssertionError(f"no sampled token is a word of its own: {counts}")

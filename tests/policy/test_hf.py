@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from rollstream.producer.policy.base import GenerateRequest, Generation, SamplingParams
-from rollstream.producer.policy.hf import HFPolicy, _ban_bad_words
+from rollstream.producer.policy.hf import HFPolicy, _ban_bad_words, bad_word_ids
 from rollstream.shared.weights_io import WeightsDigestError
 
 from .helpers import TinyVersions, most_common_word, reference_logprobs, top2_requests, until
@@ -141,8 +141,8 @@ def test_a_bad_word_is_never_generated_and_logprobs_stay_the_policys_own(tied_mo
             return list(await asyncio.gather(*map(policy.generate, top2_requests(prompt, bad_words, 8))))
 
         counts = Counter(t for g in await replies(()) for t in g.token_ids.tolist())
-        word = most_common_word(policy, counts)
-        banned = {ids[-1] for ids in policy.bad_word_ids((word,))}
+        word = most_common_word(policy.tokenizer, counts)
+        banned = {ids[-1] for ids in bad_word_ids(policy.tokenizer, (word,))}
         return prompt, banned, await replies((word,))
 
     prompt, banned, gens = run_with(tied_model.v0, body)

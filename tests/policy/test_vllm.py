@@ -16,10 +16,11 @@ from typing import Any, TypeVar
 
 import numpy as np
 import pytest
+from transformers import AutoTokenizer
 
 from rollstream.producer.policy.base import GenerateRequest, Generation, SamplingParams
 from rollstream.producer.policy.conversation import ChatTemplateDeltas, Conversation
-from rollstream.producer.policy.hf import HFPolicy
+from rollstream.producer.policy.hf import HFPolicy, bad_word_ids
 from rollstream.producer.policy.vllm import VLLMPolicy
 from rollstream.shared.weights_io import WeightsDigestError, compute_digest
 
@@ -131,12 +132,12 @@ def test_bad_words_are_never_generated_and_tokenized_as_in_transformers(engine: 
     async def replies(bad_words: tuple[str, ...]) -> list[Generation]:
         return list(await asyncio.gather(*map(engine.policy.generate, top2_requests(prompt, bad_words, 8))))
 
-    hf = HFPolicy(engine.model.v0)  # its tokenization of bad words only
-    word = most_common_word(hf, Counter(t for g in engine.run(replies(())) for t in g.token_ids.tolist()))
+    tokenizer = AutoTokenizer.from_pretrained(engine.model.v0)  # as the transformers backend loads it
+    word = most_common_word(tokenizer, Counter(t for g in engine.run(replies(())) for t in g.token_ids.tolist()))
     reference = VLLMSamplingParams(bad_words=[word])
     reference.update_from_tokenizer(get_tokenizer(str(engine.model.v0)))
-    assert reference.bad_words_token_ids == hf.bad_word_ids((word,))
-    banned = {ids[-1] for ids in hf.bad_word_ids((word,))}
+    assert reference.bad_words_token_ids == bad_word_ids(tokenizer, (word,))  # the transformers backend's forms
+    banned = {ids[-1] for ids in bad_word_ids(tokenizer, (word,))}
     for gen in engine.run(replies((word,))):
         assert not banned & set(gen.token_ids.tolist())
         assert_parity(engine.model.v0, prompt, gen)
