@@ -49,7 +49,7 @@ def test_redis_killed_and_restarted_three_times_during_a_run(fault_redis: FaultR
     recoveries = []
     for _ in range(3):
         before = fault_redis.version()
-        assert before < steps, f"the run ended (version {before}) before its third restart"
+        assert before < steps, f"the run ended (version {before}) before its three restarts were done"
         fault_redis.restart()  # kill -9, then the same port and data
         recoveries.append(_recovery(fault_redis, before, job))
     print(f"\nkill -9 + restart: seconds to the next step {[round(r, 2) for r in recoveries]}")

@@ -24,7 +24,7 @@ def test_the_trainer_killed_three_times_in_one_run(fault_redis: FaultRedis, job_
     wait_until(lambda: fault_redis.version() >= 2, 120, "version 2")
     recoveries = []
     for _ in range(3):
-        assert fault_redis.version() < STEPS, "the run ended before its third kill"
+        assert fault_redis.version() < STEPS, "the run ended before its three kills were done"
         job.procs["trainer"].kill()  # kill -9, mid-step or between steps
         job.procs["trainer"].wait()
         before, restarted = fault_redis.version(), time.monotonic()
