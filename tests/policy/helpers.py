@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
-from rollstream.producer.policy.base import GenerateRequest, SamplingParams
+from rollstream.producer.policy.base import GenerateRequest, Generation, SamplingParams
 from rollstream.producer.policy.hf import bad_word_ids
 from rollstream.shared.weights_io import save_pretrained_atomically
 from rollstream.tiny_model import build_tiny_model
@@ -64,14 +64,22 @@ async def until(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
         await asyncio.sleep(0.001)
 
 
-def top2_requests(prompt: np.ndarray, bad_words: tuple[str, ...], n: int) -> list[GenerateRequest]:
-    """`n` seeded requests at top_k 2: each step a choice between two tokens, so a banned one would come up often."""
-    return [GenerateRequest([], SamplingParams(12, top_k=2, seed=s, bad_words=bad_words), prompt_ids=prompt)
-            for s in range(n)]
+async def top2_replies(generate: Callable[[GenerateRequest], Awaitable[Generation]], prompt: np.ndarray,
+                       bad_words: tuple[str, ...], n: int) -> list[Generation]:
+    """`n` seeded replies at top_k 2: each step a choice between two tokens, so a banned one would come up often."""
+    requests = [GenerateRequest([], SamplingParams(12, top_k=2, seed=s, bad_words=bad_words), prompt_ids=prompt)
+                for s in range(n)]
+    return list(await asyncio.gather(*map(generate, requests)))
 
 
-def most_common_word(tokenizer: Any, counts: Counter[int]) -> str:
+def banned_tokens(tokenizer: Any, word: str) -> set[int]:
+    """The tokens a ban on `word` forbids: the last of each of its forms."""
+    return {ids[-1] for ids in bad_word_ids(tokenizer, (word,))}
+
+
+def most_common_word(tokenizer: Any, gens: list[Generation]) -> str:
     """The text of the most often sampled token that tokenizes back to itself alone, as a bad word would."""
+    counts = Counter(t for g in gens for t in g.token_ids.tolist())
     for token, _ in counts.most_common():
         word = str(tokenizer.decode([token]))
         if word.strip() and bad_word_ids(tokenizer, (word,))[0] == [token]:

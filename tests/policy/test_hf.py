@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from collections import Counter
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TypeVar
@@ -13,10 +12,10 @@ import pytest
 import torch
 
 from rollstream.producer.policy.base import GenerateRequest, Generation, SamplingParams
-from rollstream.producer.policy.hf import HFPolicy, _ban_bad_words, bad_word_ids
+from rollstream.producer.policy.hf import HFPolicy, _ban_bad_words
 from rollstream.shared.weights_io import WeightsDigestError
 
-from .helpers import TinyVersions, most_common_word, reference_logprobs, top2_requests, until
+from .helpers import TinyVersions, banned_tokens, most_common_word, reference_logprobs, top2_replies, until
 
 T = TypeVar("T")
 MESSAGES = [
@@ -136,14 +135,8 @@ def test_a_bad_word_is_never_generated_and_logprobs_stay_the_policys_own(tied_mo
 
     async def body(policy: HFPolicy) -> tuple[np.ndarray, set[int], list[Generation]]:
         prompt = np.asarray(policy.prompt_token_ids(GenerateRequest(MESSAGES, SamplingParams(8))))
-
-        async def replies(bad_words: tuple[str, ...]) -> list[Generation]:
-            return list(await asyncio.gather(*map(policy.generate, top2_requests(prompt, bad_words, 8))))
-
-        counts = Counter(t for g in await replies(()) for t in g.token_ids.tolist())
-        word = most_common_word(policy.tokenizer, counts)
-        banned = {ids[-1] for ids in bad_word_ids(policy.tokenizer, (word,))}
-        return prompt, banned, await replies((word,))
+        word = most_common_word(policy.tokenizer, await top2_replies(policy.generate, prompt, (), 8))
+        return prompt, banned_tokens(policy.tokenizer, word), await top2_replies(policy.generate, prompt, (word,), 8)
 
     prompt, banned, gens = run_with(tied_model.v0, body)
     for gen in gens:

@@ -8,7 +8,6 @@ engine to version 1.
 from __future__ import annotations
 
 import asyncio
-from collections import Counter
 from collections.abc import Coroutine, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +23,7 @@ from rollstream.producer.policy.hf import HFPolicy, bad_word_ids
 from rollstream.producer.policy.vllm import VLLMPolicy
 from rollstream.shared.weights_io import WeightsDigestError, compute_digest
 
-from .helpers import TinyVersions, most_common_word, reference_logprobs, top2_requests, until
+from .helpers import TinyVersions, banned_tokens, most_common_word, reference_logprobs, top2_replies, until
 
 T = TypeVar("T")
 pytestmark = [
@@ -129,16 +128,13 @@ def test_bad_words_are_never_generated_and_tokenized_as_in_transformers(engine: 
 
     prompt = engine.prompt()
 
-    async def replies(bad_words: tuple[str, ...]) -> list[Generation]:
-        return list(await asyncio.gather(*map(engine.policy.generate, top2_requests(prompt, bad_words, 8))))
-
     tokenizer = AutoTokenizer.from_pretrained(engine.model.v0)  # as the transformers backend loads it
-    word = most_common_word(tokenizer, Counter(t for g in engine.run(replies(())) for t in g.token_ids.tolist()))
+    word = most_common_word(tokenizer, engine.run(top2_replies(engine.policy.generate, prompt, (), 8)))
     reference = VLLMSamplingParams(bad_words=[word])
     reference.update_from_tokenizer(get_tokenizer(str(engine.model.v0)))
     assert reference.bad_words_token_ids == bad_word_ids(tokenizer, (word,))  # the transformers backend's forms
-    banned = {ids[-1] for ids in bad_word_ids(tokenizer, (word,))}
-    for gen in engine.run(replies((word,))):
+    banned = banned_tokens(tokenizer, word)
+    for gen in engine.run(top2_replies(engine.policy.generate, prompt, (word,), 8)):
         assert not banned & set(gen.token_ids.tolist())
         assert_parity(engine.model.v0, prompt, gen)
 

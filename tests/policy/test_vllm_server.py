@@ -15,7 +15,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections import Counter
 from collections.abc import Coroutine, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +26,6 @@ import redis
 from transformers import AutoTokenizer
 
 from rollstream.producer.policy.base import GenerateRequest, Generation, SamplingParams
-from rollstream.producer.policy.hf import bad_word_ids
 from rollstream.producer.policy.vllm_server import EngineUnreachable, VLLMServerPolicy
 from rollstream.shared.config import RollstreamConfig, dump_config, load_config
 from rollstream.shared.embedded import EmbeddedRedis, free_port
@@ -35,7 +33,7 @@ from rollstream.shared.engines import engine_plans
 from rollstream.shared.keys import Keys
 from rollstream.shared.redis_io import URL_ENV
 
-from .helpers import TinyVersions, most_common_word, reference_logprobs, top2_requests
+from .helpers import TinyVersions, banned_tokens, most_common_word, reference_logprobs, top2_replies
 
 T = TypeVar("T")
 REPO = Path(__file__).resolve().parents[2]
@@ -213,13 +211,10 @@ def test_generation_through_the_server_returns_tokens_logprobs_and_version(serve
 def test_bad_words_reach_the_server(server: Server) -> None:
     prompt = server.prompt()
 
-    async def replies(bad_words: tuple[str, ...]) -> list[Generation]:
-        return list(await asyncio.gather(*map(server.policy.generate, top2_requests(prompt, bad_words, 6))))
-
     tokenizer = AutoTokenizer.from_pretrained(server.model.v0)  # as the transformers backend loads it
-    word = most_common_word(tokenizer, Counter(t for g in server.run(replies(())) for t in g.token_ids.tolist()))
-    banned = {ids[-1] for ids in bad_word_ids(tokenizer, (word,))}  # vLLM's forms: test_vllm checks it
-    for gen in server.run(replies((word,))):
+    word = most_common_word(tokenizer, server.run(top2_replies(server.policy.generate, prompt, (), 6)))
+    banned = banned_tokens(tokenizer, word)  # vLLM's forms: test_vllm checks it
+    for gen in server.run(top2_replies(server.policy.generate, prompt, (word,), 6)):
         assert not banned & set(gen.token_ids.tolist())
 
 
