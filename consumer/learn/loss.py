@@ -9,6 +9,7 @@ mini-batch, so that gradient accumulation over micro-batches of any size gives e
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +43,46 @@ def token_entropy(logits: torch.Tensor) -> torch.Tensor:
     """Entropy of each next-token distribution of logits (..., V), as (...)."""
     logp = torch.log_softmax(logits.float(), dim=-1)
     return -(logp.exp() * logp).sum(dim=-1)
+
+
+def reply_offsets(response_mask: torch.Tensor) -> torch.Tensor:
+    """Each response token's index within its reply (a run of response tokens in a row), as (N,) in the order of
+    `response_targets`."""
+    mask = response_mask > 0
+    index = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
+    starts = mask & ~torch.nn.functional.pad(mask, (1, 0))[:, :-1]
+    run_start = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values
+    return (index - run_start)[mask]
+
+
+def banned_sites(targets: torch.Tensor, offsets: torch.Tensor,
+                 words: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(positions, tokens) into the (N, V) response logits where the engine could not sample: each bad word's last
+    token right after the word's other tokens in the same reply (at every position for a one-token word), as
+    vLLM bans them. `targets` and `offsets` are (N,), from `response_targets` and `reply_offsets`.
+
+    A site whose sampled token is the banned one is left out: the ban was not in force when that token was
+    sampled (a trajectory recorded under another config), and its logprob must stay finite."""
+    positions, tokens = [], []
+    for word in words:
+        *head, last = word
+        hit = (offsets >= len(head)) & (targets != last)
+        for back, token in enumerate(reversed(head), start=1):
+            # roll wraps around, but the offset test keeps every position whose head lies inside its own reply
+            hit &= torch.roll(targets, back) == token
+        where = hit.nonzero().squeeze(1)
+        positions.append(where)
+        tokens.append(torch.full_like(where, last))
+    empty = torch.zeros(0, dtype=torch.long, device=targets.device)
+    return torch.cat([empty, *positions]), torch.cat([empty, *tokens])
+
+
+def ban_logits(logits: torch.Tensor, sites: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """A float32 copy of logits (N, V) with the banned sites at the lowest float: probability 0, and no NaN where
+    an entropy multiplies it by its logprob (as -inf would give)."""
+    out = logits.float().clone()
+    out[sites] = torch.finfo(out.dtype).min
+    return out
 
 
 def scatter_response(values: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,15 @@ Old logprobs (the anchor of the PPO ratio), `old_logprobs`:
   truncated importance weight min(pi_old / mu, ratio_cap) on every token. Useful when the engine's numerics
   differ from the trainer's (e.g. a bf16 engine against an fp32 trainer), at the cost of one extra forward.
 Both compare raw (temperature 1) logprobs, which is what the producers record (`logprobs_mode` raw_logprobs).
+
+Banned words (`actor_infer.generating_args.bad_words`): the engine samples from the model's distribution with the
+banned tokens taken out, so that is the policy the loss differentiates and whose entropy it measures. Trained
+through the full softmax instead, every push down on a sampled token lifted the banned one, which is never
+sampled and so never pushed back: in a SimpleSokoban run the banned `<think>` went from 0.54 of the first reply
+token's mass to 0.995 by step 50 and 1.000 by step 100, while the rest, the only part the engine samples from,
+spread out (entropy 0.04 -> 2.7) into garbled replies, and the entropy the loss saw fell to 0.01. The values stay
+the raw logprobs the anchors hold (the engine records raw ones), which is exact while the banned mass does not
+move between the behaviour policy and the current one; `actor/banned_mass` shows it.
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -41,9 +51,12 @@ from rollstream.consumer.learn.checkpoints import LearnerState, load_learner_sta
 from rollstream.consumer.learn.entropy_control import EntropyControl
 from rollstream.consumer.learn.loss import (
     approx_kl,
+    ban_logits,
+    banned_sites,
     kl_k3,
     masked_sum,
     ppo_policy_loss,
+    reply_offsets,
     response_positions,
     response_targets,
     scatter_response,
@@ -54,6 +67,7 @@ from rollstream.consumer.learn.loss import (
 from rollstream.consumer.learn.strategy import TrainStrategy, causal_lm_logits, minibatch_size
 from rollstream.consumer.learn.tensors import Shard, TokenBatch, build_token_batch, plan_shards
 from rollstream.shared import atomic
+from rollstream.shared.bad_words import bad_word_ids
 from rollstream.shared.config import OldLogprobs, RollstreamConfig, choices
 from rollstream.shared.messages import WeightsAnnouncement
 
@@ -92,6 +106,9 @@ class UpdateSettings:
     """Run no forward or backward on rows whose gradient is exactly zero (see `rows_with_gradient`)."""
     early_stop_kl: float | None = None
     """A mini-batch whose approximate KL (before its update) exceeds this ends the train step untrained."""
+    bad_words: tuple[tuple[int, ...], ...] = ()
+    """Token ids of the words the engine may not sample (`bad_word_ids`): the loss trains the distribution it
+    sampled from (see the module docstring)."""
 
     @property
     def zero_advantage_rows_have_no_gradient(self) -> bool:
@@ -103,13 +120,20 @@ class UpdateSettings:
             raise ValueError(f"old_logprobs={self.old_logprobs!r}: must be one of {', '.join(OLD_LOGPROB_SOURCES)}")
 
     @classmethod
-    def from_config(cls, cfg: RollstreamConfig) -> UpdateSettings:
+    def from_config(cls, cfg: RollstreamConfig, tokenizer: Any = None) -> UpdateSettings:
+        """The config's settings; `tokenizer` (the trained model's) turns `bad_words` into token ids, and a config
+        that bans words needs it."""
         args = cfg.actor_train.training_args
         low, high = cfg.pg_clip_range
+        words = tuple(cfg.actor_infer.generating_args.bad_words)
+        if words and tokenizer is None:
+            raise ValueError("UpdateSettings.from_config: this config bans words (bad_words); pass the model's "
+                             "tokenizer so that the loss can mask them")
+        banned = tuple(tuple(ids) for ids in bad_word_ids(tokenizer, words)) if words else ()
         return cls(low, cfg.is_ratio_cap, cfg.old_logprobs, cfg.init_kl_coef, cfg.entropy_loss_coef,
                    cfg.ppo_epochs, minibatch_size(cfg), args.per_device_train_batch_size,
                    args.max_tokens_per_microbatch, cfg.actor_train.infer_batch_size, high, cfg.skip_zero_advantage,
-                   cfg.early_stop_kl)
+                   cfg.early_stop_kl, banned)
 
 
 class PolicyLearner:
@@ -118,9 +142,9 @@ class PolicyLearner:
     def __init__(self, cfg: RollstreamConfig, strategy: TrainStrategy) -> None:
         self.cfg = cfg
         self.strategy = strategy
-        self.settings = UpdateSettings.from_config(cfg)
-        self.advantages = AdvantageSettings.from_config(cfg)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.pretrain)
+        self.settings = UpdateSettings.from_config(cfg, self.tokenizer)
+        self.advantages = AdvantageSettings.from_config(cfg)
         self.weights_dir = Path(cfg.output_dir) / "weights"
         self.generator = torch.Generator().manual_seed(cfg.seed)
         """Shuffles mini-batches; its state is part of a checkpoint."""
@@ -232,7 +256,7 @@ def frozen_logprobs(forward: Forward, shard: Shard, device: torch.device, pad: b
     out = torch.zeros_like(tokens.response_mask)
     for rows in shard.logprob_microbatches:
         part = tokens.rows(rows).to(device)
-        _, logprobs = response_logprobs(forward, part)
+        logprobs = response_logprobs(forward, part).logprobs  # bans change no value, only gradients
         out[rows, : logprobs.shape[1]] = logprobs.float().cpu()
     for _ in range(shard.num_logprob_microbatches - len(shard.logprob_microbatches) if pad else 0):
         idle_logits(forward, device)
@@ -246,18 +270,39 @@ def idle_logits(forward: Forward, device: torch.device) -> torch.Tensor:
     return forward(ids, torch.ones_like(ids), torch.tensor([[True, False]], device=device))
 
 
-def response_logprobs(forward: Forward, part: TokenBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """The logits where `part` has a response token to predict, (N, V), and that token's logprob as (B, T - 1)."""
+@dataclass
+class ResponseLogprobs:
+    logits: torch.Tensor
+    """(N, V) where `part` has a response token to predict; with banned words, banned sites at the lowest float."""
+    logprobs: torch.Tensor
+    """(B, T - 1): each response token's raw logprob; with banned words, differentiated through the distribution
+    without them."""
+    banned_mass: torch.Tensor | None = None
+    """(N,) the raw probability of the banned tokens at each response position; None without banned words."""
+
+
+def response_logprobs(forward: Forward, part: TokenBatch, bad_words: tuple[tuple[int, ...], ...] = ()
+                      ) -> ResponseLogprobs:
+    """The response positions' logits and their tokens' logprobs; `bad_words` as in `UpdateSettings`."""
     logits = forward(part.input_ids, part.attention_mask, response_positions(part.response_mask))
-    logprobs = token_logprobs(logits, response_targets(part.input_ids, part.response_mask))
-    return logits, scatter_response(logprobs, part.response_mask)
+    targets = response_targets(part.input_ids, part.response_mask)
+    logprobs = token_logprobs(logits, targets)
+    if not bad_words:
+        return ResponseLogprobs(logits, scatter_response(logprobs, part.response_mask))
+    banned = ban_logits(logits, banned_sites(targets, reply_offsets(part.response_mask), bad_words))
+    unbanned = token_logprobs(banned, targets)
+    # The value of the raw logprob, the gradient of the one without the banned tokens (the module docstring).
+    logprobs = unbanned + (logprobs - unbanned).detach()
+    mass = -torch.expm1(torch.logsumexp(banned, dim=-1) - torch.logsumexp(logits.float(), dim=-1)).detach()
+    return ResponseLogprobs(banned, scatter_response(logprobs, part.response_mask), mass)
 
 
 def microbatch_loss(forward: Forward, part: TokenBatch, settings: UpdateSettings,
                     normalizer: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The loss of one micro-batch, scaled so that summing over a mini-batch gives token means; and sums for metrics."""
     mask = part.response_mask
-    logits, logprobs = response_logprobs(forward, part)
+    response = response_logprobs(forward, part, settings.bad_words)
+    logits, logprobs = response.logits, response.logprobs
     # The ratio's anchor, and the off-policy weight where the anchor is not the behaviour policy.
     if settings.old_logprobs == "engine":
         old, weights = part.behaviour_logprobs, None
@@ -285,11 +330,14 @@ def microbatch_loss(forward: Forward, part: TokenBatch, settings: UpdateSettings
     if settings.entropy_coef != 0:
         loss = loss - settings.entropy_coef * entropy / normalizer
     sums["entropy"] = entropy.detach()
+    if response.banned_mass is not None:
+        sums["banned_mass"] = response.banned_mass.sum()
     sums["ratio_max"] = (pg.ratio * mask).max()
     return loss, sums
 
 
-TALLY_KEYS = frozenset({"pg", "clip", "truncated", "ratio", "approx_kl", "is_weight", "kl", "entropy", "tokens"})
+TALLY_KEYS = frozenset({"pg", "clip", "truncated", "ratio", "approx_kl", "is_weight", "kl", "entropy", "banned_mass",
+                        "tokens"})
 """Every sum a Tally may hold; ranks reduce them in this (sorted) order, whichever they saw."""
 
 
@@ -359,6 +407,8 @@ class Tally:
             out["actor/lr"] = self.lrs[-1]
         if "is_weight" in self.sums:
             out["actor/is_weight_mean"] = self.sums["is_weight"] / n
+        if "banned_mass" in self.sums:
+            out["actor/banned_mass"] = self.sums["banned_mass"] / n
         return out
 
 

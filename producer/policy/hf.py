@@ -14,7 +14,6 @@ import asyncio
 import os
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import torch
@@ -22,6 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rollstream.producer.policy.base import GenerateRequest, Generation, SamplingParams
 from rollstream.producer.policy.conversation import request_prompt_ids
+from rollstream.shared.bad_words import bad_word_ids
 from rollstream.shared.weights_io import load_safetensors_dir, verify_digest, weights_path_from_uri
 
 
@@ -52,19 +52,6 @@ def _filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
     drop |= mass_before >= top_p
     sorted_logits = sorted_logits.masked_fill(drop, -torch.inf)
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
-
-
-def bad_word_ids(tokenizer: Any, words: tuple[str, ...]) -> list[list[int]]:
-    """Token ids of each bad word, and of its space-prefixed form where that is other tokens of the same count:
-    the forms vLLM bans, so both backends sample from the same distribution."""
-    forms: list[list[int]] = []
-    for word in words:
-        bare = tokenizer.encode(word.lstrip(), add_special_tokens=False)
-        if not bare:
-            raise ValueError(f"bad word {word!r} is no token of this tokenizer: remove it from bad_words")
-        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
-        forms += [bare] + ([spaced] if len(spaced) == len(bare) and spaced[0] != bare[0] else [])
-    return forms
 
 
 def _ban_bad_words(logits: torch.Tensor, bad_words: list[list[list[int]]], generated: list[list[int]]) -> None:

@@ -9,8 +9,11 @@ import torch
 
 from rollstream.consumer.learn.loss import (
     approx_kl,
+    ban_logits,
+    banned_sites,
     kl_k3,
     ppo_policy_loss,
+    reply_offsets,
     response_positions,
     response_targets,
     scatter_response,
@@ -117,3 +120,37 @@ def test_response_positions_pick_the_logits_that_predict_response_tokens() -> No
     torch.testing.assert_close(picked, everywhere)
     picked.sum().backward()  # the scatter keeps the graph
     assert full_logits.grad is not None and float(full_logits.grad[0, 0].abs().sum()) == 0.0
+
+
+def test_reply_offsets_restart_at_each_reply() -> None:
+    mask = torch.tensor([[0, 1, 1, 0, 1, 1, 1], [1, 1, 0, 0, 0, 0, 1]])
+    assert reply_offsets(mask).tolist() == [0, 1, 0, 1, 2, 0, 1, 0]
+
+
+def test_banned_sites_as_vllm_bans_them() -> None:
+    """A one-token word is banned everywhere but where it was sampled; a two-token word's last token right after
+    its first one in the same reply, and not at the start of the next reply after a reply that ended on it."""
+    mask = torch.tensor([[1, 1, 1, 0, 1, 1]])
+    targets = torch.tensor([5, 7, 5, 5, 9])  # replies [5, 7, 5] and [5, 9]
+    offsets = reply_offsets(mask)
+    positions, tokens = banned_sites(targets, offsets, [[7]])
+    assert list(zip(positions.tolist(), tokens.tolist())) == [(0, 7), (2, 7), (3, 7), (4, 7)]
+    positions, tokens = banned_sites(targets, offsets, [[5, 8], [5, 9]])
+    # [5, 8]: after each 5 within its reply (positions 1 and 4); the 5 ending reply one bans nothing in reply two.
+    # [5, 9]: after the 5 at position 0 (position 1); position 4 sampled the 9 and is left out.
+    assert sorted(zip(positions.tolist(), tokens.tolist())) == [(1, 8), (1, 9), (4, 8)]
+    assert banned_sites(targets, offsets, [])[0].numel() == 0
+
+
+def test_banned_logits_give_the_sampled_distribution_without_nan() -> None:
+    logits = torch.randn(3, 6, requires_grad=True)
+    targets = torch.tensor([0, 1, 2])
+    banned = ban_logits(logits, (torch.tensor([0, 1, 2]), torch.tensor([5, 5, 5])))
+    logprobs = token_logprobs(banned, targets)
+    allowed = torch.log_softmax(logits[:, :5].detach(), -1).gather(-1, targets[:, None])[:, 0]
+    torch.testing.assert_close(logprobs.detach(), allowed)
+    entropy = token_entropy(banned)
+    torch.testing.assert_close(entropy.detach(), token_entropy(logits[:, :5].detach()))
+    (logprobs.sum() + entropy.sum()).backward()
+    assert logits.grad is not None and torch.isfinite(logits.grad).all()
+    assert logits.grad[:, 5].abs().sum() == 0  # the banned token is outside the policy

@@ -12,8 +12,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rollstream.consumer.learn.advantages import AdvantageSettings, compute_advantages
 from rollstream.consumer.learn.learner import make_learner
-from rollstream.consumer.learn.policy_learner import PolicyLearner
+from rollstream.consumer.learn.policy_learner import PolicyLearner, UpdateSettings, microbatch_loss
 from rollstream.consumer.learn.tensors import build_token_batch
+from rollstream.shared.bad_words import bad_word_ids
 from rollstream.shared.config import ConfigError
 from rollstream.shared.schema import Trajectory
 from rollstream.shared.weights_io import verify_digest, weights_path_from_uri
@@ -165,6 +166,49 @@ def test_gigpo_recompute_kl_and_entropy_together(tmp_path: Path, tiny_model: Pat
     assert metrics["loss/entropy"] > 0
     # The sampler is the initial policy, so pi_old / mu is 1 up to float noise.
     assert metrics["actor/is_weight_mean"] == pytest.approx(1.0, abs=1e-3)
+
+
+def unused_word(tokenizer: AutoTokenizer, trajectories: list[Trajectory]) -> tuple[str, list[int]]:
+    """A one-token word, all of whose banned forms appear nowhere in the trajectories, and those forms' tokens."""
+    used = {i for t in trajectories for i in t.input_ids}
+    for token in range(len(tokenizer)):
+        word = tokenizer.decode([token]).strip()
+        forms = bad_word_ids(tokenizer, (word,)) if word.isalnum() else [[-1, -1]]
+        if all(len(f) == 1 and f[0] not in used for f in forms):
+            return word, [f[0] for f in forms]
+    raise AssertionError("every alphanumeric token appears in the trajectories")
+
+
+def test_a_banned_word_gets_no_gradient_and_keeps_every_compared_value(tmp_path: Path, tiny_model: Path,
+                                                                         groups: list[list[Trajectory]]) -> None:
+    """The engine samples without the banned words, so the loss trains that distribution: the banned token's
+    output row gets no gradient (through the full softmax it gets one from every sampled token), while the loss,
+    the ratio and the KL are computed from the raw logprobs the engine recorded, as without the ban."""
+    trajs = [t for g in groups for t in g]
+    word, banned = unused_word(AutoTokenizer.from_pretrained(tiny_model), trajs)
+    learner = torch_learner(tmp_path, tiny_model, f"actor_infer.generating_args.bad_words=[{word}]")
+    assert learner.settings.bad_words == tuple((token,) for token in banned)
+    tokens = build_token_batch(trajs, compute_advantages(groups, learner.advantages))
+    normalizer = float(tokens.response_mask.sum())
+
+    def banned_rows_grad(settings: UpdateSettings) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        learner.strategy.model.zero_grad()
+        loss, sums = microbatch_loss(learner.strategy.forward, tokens, settings, normalizer)
+        loss.backward()
+        grad = learner.strategy.model.get_output_embeddings().weight.grad
+        assert grad is not None
+        return grad[banned].clone(), {"loss": loss.detach(), **sums}
+
+    with_ban, masked = banned_rows_grad(learner.settings)
+    without_ban, full = banned_rows_grad(dataclasses.replace(learner.settings, bad_words=()))
+    assert with_ban.abs().sum() == 0 and without_ban.abs().sum() > 0
+    for key in ("loss", "pg", "ratio", "approx_kl", "clip"):
+        torch.testing.assert_close(masked[key], full[key])
+    assert 0 < float(masked["banned_mass"]) / normalizer < 0.01  # a random model: about 1 / vocabulary each
+
+    metrics = learner.train_step(make_batch(groups))
+    learner.close()
+    assert 0 < metrics["actor/banned_mass"] < 0.01 and np.isfinite(metrics["loss/entropy"])
 
 
 def test_publish_writes_a_loadable_verified_directory(tmp_path: Path, tiny_model: Path,

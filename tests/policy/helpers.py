@@ -14,7 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rollstream.producer.policy.base import GenerateRequest, Generation, SamplingParams
-from rollstream.producer.policy.hf import bad_word_ids
+from rollstream.shared.bad_words import bad_word_ids
 from rollstream.shared.weights_io import save_pretrained_atomically
 from rollstream.tiny_model import build_tiny_model
 

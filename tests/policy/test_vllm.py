@@ -19,8 +19,9 @@ from transformers import AutoTokenizer
 
 from rollstream.producer.policy.base import GenerateRequest, Generation, SamplingParams
 from rollstream.producer.policy.conversation import ChatTemplateDeltas, Conversation
-from rollstream.producer.policy.hf import HFPolicy, bad_word_ids
+from rollstream.producer.policy.hf import HFPolicy
 from rollstream.producer.policy.vllm import VLLMPolicy
+from rollstream.shared.bad_words import bad_word_ids
 from rollstream.shared.weights_io import WeightsDigestError, compute_digest
 
 from .helpers import TinyVersions, banned_tokens, most_common_word, reference_logprobs, top2_replies, until
