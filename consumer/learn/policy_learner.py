@@ -272,6 +272,8 @@ def idle_logits(forward: Forward, device: torch.device) -> torch.Tensor:
 
 @dataclass
 class ResponseLogprobs:
+    """One micro-batch's forward, as the loss and the metrics need it."""
+
     logits: torch.Tensor
     """(N, V) where `part` has a response token to predict; with banned words, banned sites at the lowest float."""
     logprobs: torch.Tensor
