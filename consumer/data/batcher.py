@@ -89,7 +89,9 @@ class Batcher:
     def _drop_stale(self, step: int) -> None:
         for group in list(self.assembler.ready.values()):
             if is_stale(group.version, step, self.ratio):
-                self._drop(group.group_id, "stale_dropped", f"version {group.version} at step {step}")
+                # Routine under async generation (counted in groups/stale_dropped): one line per group would
+                # bury the console's progress view on a fast machine.
+                self._drop(group.group_id, "stale_dropped", f"version {group.version} at step {step}", logging.DEBUG)
 
     def poll_once(self) -> None:
         """One read of the stream, then, once the backlog has been read, a check for entries delivered to us but
@@ -142,8 +144,10 @@ class Batcher:
                 orphans.append(entry.entry_id)
             elif isinstance(item, GroupDropNotice):
                 ids = [*self.assembler.discard(item.group_id), entry.entry_id]
-                self._end(item.group_id, "failed_dropped", ids,
-                          f"{item.reason} on worker {item.worker_rank}: {item.detail}")
+                detail = f": {item.detail}" if item.detail else ""
+                # A worker's stop drops its unfinished groups: expected, and counted in the step's metrics.
+                self._end(item.group_id, "failed_dropped", ids, f"{item.reason} on worker {item.worker_rank}{detail}",
+                          logging.DEBUG if item.reason == "shutdown" else logging.INFO)
                 ended_here.add(item.group_id)
             else:
                 try:
