@@ -1,5 +1,6 @@
-"""Banned words (`actor_infer.generating_args.bad_words`) as token ids: the one definition the engines sample with
-and the trainer's loss masks with, so that the policy trained is the policy sampled."""
+"""Banned words (`actor_infer.generating_args.bad_words`) as token ids: what the transformers backend bans, what the
+trainer's loss masks (so that the policy trained is the policy sampled), and what vLLM computes for itself (tested
+equal)."""
 
 from __future__ import annotations
 
