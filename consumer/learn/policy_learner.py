@@ -288,15 +288,15 @@ def response_logprobs(forward: Forward, part: TokenBatch, bad_words: tuple[tuple
     """The response positions' logits and their tokens' logprobs; `bad_words` as in `UpdateSettings`."""
     logits = forward(part.input_ids, part.attention_mask, response_positions(part.response_mask))
     targets = response_targets(part.input_ids, part.response_mask)
-    logprobs = token_logprobs(logits, targets)
     if not bad_words:
-        return ResponseLogprobs(logits, scatter_response(logprobs, part.response_mask))
+        return ResponseLogprobs(logits, scatter_response(token_logprobs(logits, targets), part.response_mask))
     banned = ban_logits(logits, banned_sites(targets, reply_offsets(part.response_mask), bad_words))
-    unbanned = token_logprobs(banned, targets)
-    # The value of the raw logprob, the gradient of the one without the banned tokens (the module docstring).
-    logprobs = unbanned + (logprobs - unbanned).detach()
-    mass = -torch.expm1(torch.logsumexp(banned, dim=-1) - torch.logsumexp(logits.float(), dim=-1)).detach()
-    return ResponseLogprobs(banned, scatter_response(logprobs, part.response_mask), mass)
+    log_normalizer = torch.logsumexp(banned, dim=-1)
+    # log(1 - banned mass): the raw logprob is the unbanned one plus this; detached, it keeps the raw value and
+    # the unbanned gradient (the module docstring). Each normalizer over the vocabulary is computed once.
+    log_unbanned_share = (log_normalizer - torch.logsumexp(logits.float(), dim=-1)).detach()
+    logprobs = banned.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - log_normalizer + log_unbanned_share
+    return ResponseLogprobs(banned, scatter_response(logprobs, part.response_mask), -torch.expm1(log_unbanned_share))
 
 
 def microbatch_loss(forward: Forward, part: TokenBatch, settings: UpdateSettings,
