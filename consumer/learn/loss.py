@@ -30,13 +30,17 @@ def response_targets(input_ids: torch.Tensor, response_mask: torch.Tensor) -> to
     return input_ids[:, 1:][response_mask > 0]
 
 
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """log p(target) for logits (..., V) and targets (...), in float32.
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor,
+                   log_normalizer: torch.Tensor | None = None) -> torch.Tensor:
+    """log p(target) for logits (..., V) and targets (...), in float32; `log_normalizer`, the logits' logsumexp
+    (...), where the caller has it already.
 
     Gather minus logsumexp rather than a full log_softmax: one float tensor of the logits' size fewer.
     """
     logits = logits.float()
-    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    if log_normalizer is None:
+        log_normalizer = torch.logsumexp(logits, dim=-1)
+    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - log_normalizer
 
 
 def token_entropy(logits: torch.Tensor) -> torch.Tensor:

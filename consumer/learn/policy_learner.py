@@ -295,7 +295,7 @@ def response_logprobs(forward: Forward, part: TokenBatch, bad_words: tuple[tuple
     # log(1 - banned mass): the raw logprob is the unbanned one plus this; detached, it keeps the raw value and
     # the unbanned gradient (the module docstring). Each normalizer over the vocabulary is computed once.
     log_unbanned_share = (log_normalizer - torch.logsumexp(logits.float(), dim=-1)).detach()
-    logprobs = banned.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - log_normalizer + log_unbanned_share
+    logprobs = token_logprobs(banned, targets, log_normalizer) + log_unbanned_share
     return ResponseLogprobs(banned, scatter_response(logprobs, part.response_mask), -torch.expm1(log_unbanned_share))
 
 
