@@ -242,18 +242,27 @@ def random_valid_conversation(
 
 
 def _batch(convs: Sequence[Conversation], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-padded input ids, attention mask and labels that score only the reply tokens."""
+    """Right-padded input ids, attention mask, labels that score only the reply tokens, and `prompt_labels`
+    that score only the prompt tokens."""
     width = max(len(c.input_ids) for c in convs)
     ids = torch.full((len(convs), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(convs), width), dtype=torch.long)
     labels = torch.full((len(convs), width), -100, dtype=torch.long)
+    prompt_labels = labels.clone()
     for i, c in enumerate(convs):
         n = len(c.input_ids)
         ids[i, :n] = torch.tensor(c.input_ids)
         mask[i, :n] = 1
         reply = torch.tensor(c.response_mask, dtype=torch.bool)
         labels[i, :n] = torch.where(reply, ids[i, :n], -100)
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+        prompt_labels[i, :n] = torch.where(reply, -100, ids[i, :n])
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels, "prompt_labels": prompt_labels}
+
+
+def _next_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean cross entropy of each labelled token given the tokens before it (-100: not scored)."""
+    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
+                                             ignore_index=-100)
 
 
 def sft_format_warm_start(
@@ -264,6 +273,7 @@ def sft_format_warm_start(
     lr: float = 2e-3,
     max_turns: int = 3,
     think_prob: float = TinyModelConfig.think_prob,
+    on_prompts: bool = TinyModelConfig.sft_on_prompts,
     warmup_steps: int = 10,
     max_seconds: float | None = None,
     threads: int | None = None,
@@ -271,7 +281,9 @@ def sft_format_warm_start(
 ) -> dict[str, float]:
     """Fine-tune the model in `model_dir` in place on replies in the valid format with random valid actions.
 
-    Stops after `steps` steps or `max_seconds`, whichever comes first. Returns {"steps", "seconds", "loss"}.
+    Stops after `steps` steps or `max_seconds`, whichever comes first. `on_prompts` trains on the prompts' own
+    mean loss too (`TinyModelConfig.sft_on_prompts`). Returns {"steps", "seconds", "loss" (the replies'),
+    "prompt_loss" (reported with or without `on_prompts`)}.
     """
     rng = random.Random(seed)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -281,25 +293,31 @@ def sft_format_warm_start(
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     # A fixed short warmup, not a share of `steps`: a time-limited run passes a large `steps` it never reaches.
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup_steps))
-    start, loss_ema, step = time.monotonic(), float("nan"), 0
+    start, step = time.monotonic(), 0
+    ema: dict[str, float] = {}
     # A bar over whichever bound ends the warm start: the step count, or the seconds
     bar = tqdm(total=steps if max_seconds is None else round(max_seconds), unit="step" if max_seconds is None
                else "s", desc="format warm start", disable=None, dynamic_ncols=True, leave=False)
     with _torch_threads(threads), bar:
         while step < steps and (max_seconds is None or time.monotonic() - start < max_seconds):
             convs = [random_valid_conversation(rng, envs, deltas, max_turns, think_prob)[0] for _ in range(batch_size)]
-            loss = model(**_batch(convs, tokenizer.pad_token_id)).loss
+            batch = _batch(convs, tokenizer.pad_token_id)
+            prompt_labels = batch.pop("prompt_labels")
+            out = model(**batch)
+            losses = {"loss": out.loss, "prompt_loss": _next_token_loss(out.logits, prompt_labels)}
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            # Two means, not one over all tokens: the prompts' many tokens would drown the replies' few
+            (out.loss + losses["prompt_loss"] if on_prompts else out.loss).backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             schedule.step()
-            loss_ema = loss.item() if step == 0 else 0.9 * loss_ema + 0.1 * loss.item()
+            ema = {k: v.item() if step == 0 else 0.9 * ema[k] + 0.1 * v.item() for k, v in losses.items()}
             step += 1
             bar.update(1 if max_seconds is None else min(round(time.monotonic() - start), bar.total) - bar.n)
-            bar.set_postfix(loss=f"{loss_ema:.3f}", steps=step, refresh=False)
+            bar.set_postfix({k: f"{v:.3f}" for k, v in ema.items()}, steps=step, refresh=False)
     model.save_pretrained(model_dir)
-    return {"steps": float(step), "seconds": time.monotonic() - start, "loss": loss_ema}
+    return {"steps": float(step), "seconds": time.monotonic() - start, "loss": float("nan"),
+            "prompt_loss": float("nan"), **ema}
 
 
 @contextmanager
@@ -346,7 +364,7 @@ def main_tiny_model(out: str, settings: TinyModelConfig, *, seed: int = 0, threa
     path = build_tiny_model(out, tie_word_embeddings=settings.tie_word_embeddings, hidden_size=settings.hidden_size,
                             layers=settings.layers, seed=seed)
     stats = sft_format_warm_start(path, settings.sft_steps, max_seconds=settings.sft_seconds, threads=threads,
-                                  think_prob=settings.think_prob, seed=seed)
+                                  think_prob=settings.think_prob, on_prompts=settings.sft_on_prompts, seed=seed)
     stats["valid_rate"] = format_valid_rate(path, eval_prompts)
     print(json.dumps({"model_dir": str(path), **stats}))
 

@@ -329,6 +329,10 @@ class TinyModelConfig:
     think_prob: Annotated[float, Field(ge=0.0, le=1.0)] = 0.5
     """Share of the warm start's replies that open with a short <think> naming the answer's action (no reasoning:
     it only teaches that a think may come first); 0: every warm-start reply answers directly."""
+    sft_on_prompts: bool = False
+    """The warm start's loss also scores the prompts (the env's text: rules, boards after each random move), as
+    a second mean beside the replies': a stand-in for the text a pretrained model has read, so the model has
+    learnt to read a board before RL starts. The replies stay uniformly random valid actions."""
 
 
 @dataclass(config=SCHEMA)
