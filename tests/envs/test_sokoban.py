@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 from gymnasium.utils.env_checker import check_env
 
 from rollstream.shared.envs.registry import PRESETS, XSB_VOCAB
 from rollstream.shared.envs.sokoban import (
+    ACTIONS,
     DEFAULT_VOCAB,
     Room,
     SokobanEnv,
+    box_distance,
     generate_room,
     greedy_actions,
     move,
@@ -145,6 +149,45 @@ def test_env_plays_the_solver_solution_to_success(seed: int) -> None:
     assert total == pytest.approx(-0.1 * len(solution) + 1 + 10)
 
 
+@pytest.mark.parametrize("seed", range(10))
+def test_distance_shaping_pays_the_distance_gained_and_telescopes(seed: int) -> None:
+    plain = SokobanEnv(**SIMPLE, max_actions_per_traj=100)
+    shaped = SokobanEnv(**SIMPLE, max_actions_per_traj=100, distance_shaping=0.5)
+    plain.reset(seed=seed)
+    shaped.reset(seed=seed)
+    start = box_distance(shaped.room)
+    rng = np.random.default_rng(seed)
+    plain_total = shaped_total = 0.0
+    for action in rng.choice(ACTIONS, 30):
+        before = box_distance(shaped.room)
+        _, plain_reward, done, _, _ = plain.step(format_reply(str(action)))
+        _, shaped_reward, _, _, _ = shaped.step(format_reply(str(action)))
+        assert shaped_reward - plain_reward == pytest.approx(0.5 * (before - box_distance(shaped.room)))
+        plain_total, shaped_total = plain_total + plain_reward, shaped_total + shaped_reward
+        if done:
+            break
+    # Potential-based: the episode's sum gains the distance closed from start to end, nothing for the path.
+    assert shaped_total - plain_total == pytest.approx(0.5 * (start - box_distance(shaped.room)))
+
+
+class OneRoom(SokobanEnv):
+    """Plays the same hand-written room whatever the seed."""
+
+    def __init__(self, text: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.start = room(text)
+
+    def _new_episode(self, seed: int) -> None:
+        self._room = self.start
+
+
+def test_distance_shaping_on_a_push_and_a_walk() -> None:
+    env = OneRoom("#######\n#PX__O#\n#_____#\n#######", distance_shaping=0.5)
+    env.reset(seed=0)
+    assert env.step(format_reply("Right"))[1] == pytest.approx(-0.1 + 0.5)  # the box one closer
+    assert env.step(format_reply("Down"))[1] == pytest.approx(-0.1)  # the player alone moved
+
+
 def test_same_seed_same_room_and_reuse() -> None:
     a, b = SokobanEnv(**LARGER), SokobanEnv(**LARGER)
     first = a.reset(seed=9)[0]
@@ -185,6 +228,8 @@ def test_grid_vocab_changes_only_the_symbols() -> None:
         ({"dim_room": 4, "num_boxes": 2}, "too small"),
         ({"num_boxes": 0}, "num_boxes"),
         ({"search_depth": -1}, "search_depth"),
+        ({"distance_shaping": -0.5}, "distance_shaping"),
+        ({"distance_shaping": "yes"}, "distance_shaping"),
     ],
 )
 def test_bad_config_values_name_the_key(kwargs: dict, message: str) -> None:
