@@ -4,8 +4,9 @@
 
 Diagnostic only. RECORDING is the file a run wrote with `record_to=...` (every trajectory the trainer trained on,
 in training order). Each group is one of: every member solved; every member failed with the same score (no
-episode-level advantage; under GiGPO the step-level one is zero too when the members' returns are alike, as
-with a fixed cost per move); every member failed with different scores; members that differ in success. The
+episode-level advantage: GiGPO's step level still compares the discounted returns of the states the members
+share, which then differ only by the costs of the moves left); every member failed with different scores;
+members that differ in success. The
 table gives each kind's share of the groups of each range of steps, the share whose members all played the same
 actions, and the mean moves per episode.
 """

@@ -332,7 +332,7 @@ class SokobanEnv(TextEnv):
     lost: a potential-based shaping (Ng, Harada & Russell, 1999), so an episode's sum gains
     `distance_shaping` x (distance at the start - distance at the end), and a plan that solves the room stays
     the best. Without it an episode that never reaches a target scores -0.1 a move, however close it pushed the
-    box, and a group whose every member fails alike has no advantage to learn from.
+    box, and a group whose every member fails has no episode-level advantage to learn from.
     """
 
     action_names = ACTIONS
