@@ -6,9 +6,8 @@ Diagnostic only. RECORDING is the file a run wrote with `record_to=...` (every t
 in training order). Each group is one of: every member solved; every member failed with the same score (no
 episode-level advantage: GiGPO's step level still compares the discounted returns of the states the members
 share, which then differ only by the costs of the moves left); every member failed with different scores;
-members that differ in success. The
-table gives each kind's share of the groups of each range of steps, the share whose members all played the same
-actions, and the mean moves per episode.
+members that differ in success. The table gives each kind's share of the groups of each range of steps, the
+share whose members all played the same actions, and the mean moves per episode.
 """
 
 from __future__ import annotations
