@@ -1,20 +1,14 @@
 """The group make-up diagnostic reads a real recording and sorts its groups by what they could teach."""
 
-import importlib.util
-import sys
 from dataclasses import replace
 from pathlib import Path
 
 from rollstream.shared.codec import encode_trajectory
 from rollstream.shared.recording import Recorder
+from tests.benchmark_modules import load_benchmark
 from tests.factories import make_traj
 
-_SPEC = importlib.util.spec_from_file_location(
-    "group_makeup", Path(__file__).resolve().parent.parent / "benchmarks" / "group_makeup.py")
-assert _SPEC is not None and _SPEC.loader is not None
-group_makeup = importlib.util.module_from_spec(_SPEC)
-sys.modules[_SPEC.name] = group_makeup
-_SPEC.loader.exec_module(group_makeup)
+group_makeup = load_benchmark("group_makeup")
 
 
 def test_groups_are_read_in_order_and_sorted_by_kind(tmp_path: Path) -> None:

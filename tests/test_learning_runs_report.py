@@ -1,16 +1,11 @@
 """The learning benchmark's figures of a run: what a table of runs says about the goal."""
 
-import importlib.util
-import sys
 from pathlib import Path
 from typing import Any
 
-_SPEC = importlib.util.spec_from_file_location(
-    "learning_runs", Path(__file__).resolve().parent.parent / "benchmarks" / "learning_runs.py")
-assert _SPEC is not None and _SPEC.loader is not None
-learning_runs = importlib.util.module_from_spec(_SPEC)
-sys.modules[_SPEC.name] = learning_runs  # its dataclasses look their module up there
-_SPEC.loader.exec_module(learning_runs)
+from tests.benchmark_modules import load_benchmark
+
+learning_runs = load_benchmark("learning_runs")
 
 KEY = "val/success"
 

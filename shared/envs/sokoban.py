@@ -130,8 +130,7 @@ def move(room: Room, action: str) -> Room:
 
 def box_distance(room: Room) -> int:
     """Summed distance (Manhattan, through walls) of each box off target to its nearest target; 0 when solved."""
-    loose = room.boxes - room.targets
-    return sum(min(_distance(box, t) for t in room.targets) for box in loose)
+    return sum(min(_distance(box, t) for t in room.targets) for box in room.boxes - room.targets)
 
 
 def play(room: Room, action: str) -> tuple[Room, float, bool]:
