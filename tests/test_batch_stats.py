@@ -43,3 +43,10 @@ def test_reply_tokens_absent_without_tokens() -> None:
     stats = rollout_stats([traj], step=0)
     assert "rollout/reply_tokens" not in stats
     assert stats["rollout/think_rate"] == 0.0
+
+
+def test_failed_groups_is_the_share_of_groups_no_member_solved() -> None:
+    solved = [make_traj(group_index=0, member=0, score=0.0), make_traj(group_index=0, member=1, score=1.0)]
+    failed = [make_traj(group_index=g, member=m, score=0.0) for g in (1, 2) for m in (0, 1)]
+    assert rollout_stats(solved + failed, step=0)["rollout/failed_groups"] == pytest.approx(2 / 3)
+    assert rollout_stats([], step=0)["rollout/failed_groups"] == 0.0

@@ -12,7 +12,8 @@ from rollstream.shared.schema import Trajectory
 
 
 def rollout_stats(trajs: Sequence[Trajectory], step: int, max_staleness: int = 0) -> dict[str, float]:
-    """Reward, success, actions, valid-action rate and staleness, overall and per tag.
+    """Reward, success, actions, valid-action rate, staleness, overall and per tag, and the share of the batch's
+    groups in which no member succeeded (`rollout/failed_groups`: no group-relative advantage there).
 
     The staleness histogram is one share per value, `staleness/0` .. `staleness/<max_staleness>` (the
     async ratio), present every step so its curves are continuous; a value beyond it still gets its key."""
@@ -23,6 +24,10 @@ def rollout_stats(trajs: Sequence[Trajectory], step: int, max_staleness: int = 0
     hist = dict.fromkeys(range(max_staleness + 1), 0) | Counter(staleness)
     stats |= {f"staleness/{k}": n / max(len(trajs), 1) for k, n in sorted(hist.items())}
     stats["rollout/tokens"] = float(sum(t.num_tokens for t in trajs))
+    solved: dict[str, bool] = defaultdict(bool)
+    for t in trajs:
+        solved[t.group_id] |= t.success
+    stats["rollout/failed_groups"] = float(np.mean([not s for s in solved.values()])) if solved else 0.0
     return stats
 
 

@@ -9,6 +9,10 @@ group's standard deviation, floored at `std_floor`. The floor matters: in a grou
 member also pays a 0.01 format penalty, dividing by the tiny std turns that penalty into advantages of +-1,
 which is noise at full strength (seen in a calibration run). `std_normalize="none"` keeps the mean-only
 (Dr. GRPO) advantages. The std is the population std (ddof 0): a group of one gets advantage 0, not NaN.
+
+A group in which no member succeeded has no advantage under any group-relative estimator, however its members
+played: `failed_group_advantage` (<= 0) is added to every member's advantage there, so a map the policy gets
+wrong on every try still pushes it off what it did (negative-sample reinforcement, as in Zhu et al. 2025).
 """
 
 from __future__ import annotations
@@ -41,10 +45,13 @@ class AdvantageSettings:
     """GiGPO: discount of the step-level returns."""
     step_weight: float = 1.0
     """GiGPO: omega in A = A_episode + omega * A_step."""
+    failed_group_advantage: float = 0.0
+    """Added to the advantage of every member of a group in which no member succeeded (<= 0; 0: nothing)."""
 
     @classmethod
     def from_config(cls, cfg: RollstreamConfig) -> AdvantageSettings:
-        return cls(cfg.adv_estimator, cfg.adv_std_normalize, cfg.adv_std_floor, cfg.gamma, cfg.gigpo_step_weight)
+        return cls(cfg.adv_estimator, cfg.adv_std_normalize, cfg.adv_std_floor, cfg.gamma, cfg.gigpo_step_weight,
+                   cfg.failed_group_advantage)
 
     def __post_init__(self) -> None:
         if self.estimator not in ESTIMATORS:
@@ -53,6 +60,9 @@ class AdvantageSettings:
             raise ValueError(f"std_normalize={self.std_normalize!r}: must be one of {', '.join(STD_NORMALIZE_MODES)}")
         if self.std_floor <= 0:
             raise ValueError(f"std_floor={self.std_floor}: must be > 0")
+        if self.failed_group_advantage > 0:
+            raise ValueError(f"failed_group_advantage={self.failed_group_advantage}: must be <= 0 (a push away "
+                             "from what a group that never succeeded did)")
 
 
 def normalize(values: np.ndarray, std_normalize: str, std_floor: float) -> np.ndarray:
@@ -130,11 +140,17 @@ def gigpo_advantages(groups: Sequence[Sequence[Trajectory]], settings: Advantage
 def compute_advantages(groups: Sequence[Sequence[Trajectory]],
                        settings: AdvantageSettings) -> list[TrajectoryAdvantage]:
     """One advantage entry per trajectory of `groups`, in order (see the module docstring)."""
+    advantages: list[TrajectoryAdvantage]
     if settings.estimator == "grpo":
-        return list(grpo_advantages(groups, settings.std_normalize, settings.std_floor))
-    if settings.estimator == "reinforce":
-        return list(reinforce_advantages(groups))
-    return list(gigpo_advantages(groups, settings))
+        advantages = list(grpo_advantages(groups, settings.std_normalize, settings.std_floor))
+    elif settings.estimator == "reinforce":
+        advantages = list(reinforce_advantages(groups))
+    else:
+        advantages = list(gigpo_advantages(groups, settings))
+    if settings.failed_group_advantage:
+        failed = [not any(t.success for t in group) for group in groups for _ in group]
+        advantages = [a + settings.failed_group_advantage if f else a for a, f in zip(advantages, failed)]
+    return advantages
 
 
 def whiten(values: np.ndarray, eps: float = 1e-8) -> np.ndarray:

@@ -101,6 +101,19 @@ def test_gigpo_keeps_groups_apart() -> None:
     np.testing.assert_array_equal(np.concatenate(adv), [0.0, 0.0])
 
 
+@pytest.mark.parametrize("estimator", ["grpo", "gigpo"])
+def test_failed_group_advantage_pushes_only_groups_no_member_solved(estimator: str) -> None:
+    # Group 1 failed on every try (one member also paid a format penalty): without the setting its only signal
+    # is that penalty; with it every member gets -0.25 more. Group 0 had a success and is left as it was.
+    groups = scores([1, 0], [0, -0.01])
+    plain = AdvantageSettings(estimator, std_normalize="none")
+    pushed = AdvantageSettings(estimator, std_normalize="none", failed_group_advantage=-0.25)
+    before, after = (np.concatenate([np.atleast_1d(a) for a in compute_advantages(groups, settings)])
+                     for settings in (plain, pushed))
+    assert before[2] > 0 > before[3]  # the penalty alone
+    np.testing.assert_allclose(after, before + [0, 0, -0.25, -0.25])
+
+
 def test_normalize_and_finalize() -> None:
     np.testing.assert_allclose(normalize(np.array([1.0, 3.0]), "group", 1e-6), [-1, 1])
     white = finalize(np.array([1.0, 2.0, 3.0, 10.0]), whiten_values=True, clip=None)
@@ -113,3 +126,5 @@ def test_settings_reject_unknown_modes() -> None:
         AdvantageSettings("grpo", std_normalize="batch")
     with pytest.raises(ValueError, match="estimator='ppo'"):
         AdvantageSettings("ppo")
+    with pytest.raises(ValueError, match="failed_group_advantage=0.1: must be <= 0"):
+        AdvantageSettings("grpo", failed_group_advantage=0.1)
