@@ -432,9 +432,9 @@ class RollstreamConfig:
     gigpo_step_weight: Annotated[float, Field(ge=0.0)] = 1.0
     """gigpo: omega in A = A_episode + omega * A_step."""
     failed_group_advantage: Annotated[float, Field(le=0.0)] = 0.0
-    """Added to the advantage of every member of a group in which no member succeeded, whose group-relative
-    advantage is otherwise zero (e.g. -0.25: what a failure gets in a group of 4 with one success, mean-only);
-    such groups then pass the no_advantage filter and are trained. 0: GRPO's (nothing)."""
+    """lambda <= 0: a group in which no member succeeded (group-relative advantage zero) is compared with the batch:
+    lambda x the batch's success rate is added to every member's advantage; the no_advantage filter keeps such
+    groups. 0: nothing (GRPO's)."""
     skip_zero_advantage: bool = True
     """Run no forward or backward on trajectories whose advantages are all zero (their group scored alike): their
     gradient is exactly zero, so the update is the same (mini-batches and the loss's token mean still count

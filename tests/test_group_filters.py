@@ -53,8 +53,9 @@ def test_no_advantage_drops_a_group_whose_members_all_scored_alike(tmp_path, est
 
 def test_no_advantage_keeps_a_failed_group_that_failed_group_advantage_pushes(tmp_path) -> None:
     pushed = _filter(tmp_path, "adv_estimator=gigpo", "failed_group_advantage=-0.25")
-    assert not pushed.filter("g", _group([0.0, 0.0, 0.0, 0.0]))  # trained: every member gets -0.25
+    assert not pushed.filter("g", _group([0.0, 0.0, 0.0, 0.0]))  # trained: pushed by the batch's success
     assert pushed.filter("g", _group([1.0, 1.0, 1.0, 1.0]))  # solved by all: still nothing to learn
+    assert _filter(tmp_path, "adv_estimator=gigpo").filter("g", _group([0.0, 0.0, 0.0, 0.0]))
 
 
 def test_no_advantage_under_gigpo_keeps_equal_scores_with_a_step_level_difference(tmp_path) -> None:

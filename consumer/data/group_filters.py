@@ -27,12 +27,14 @@ class GroupFilter(Protocol):
 class NoAdvantageFilter:
     """Drops a group whose every advantage is zero: all members scored alike (gigpo: and every state visited by
     several members led to the same return). Such a group adds nothing to the policy gradient, only to the
-    batch's count of trajectories."""
+    batch's count of trajectories. With `failed_group_advantage` a group no member of which succeeded is kept."""
 
     def __init__(self, cfg: RollstreamConfig) -> None:
         self.settings = AdvantageSettings.from_config(cfg)
 
     def filter(self, group_id: str, trajectories: Sequence[Trajectory]) -> bool:
+        if self.settings.failed_group_advantage and not any(t.success for t in trajectories):
+            return False  # its push comes from the batch's success (failed_group_advantage), unknown here
         advantages = compute_advantages([trajectories], self.settings)
         return not any(np.any(np.asarray(a) != 0) for a in advantages)
 

@@ -11,8 +11,11 @@ which is noise at full strength (seen in a calibration run). `std_normalize="non
 (Dr. GRPO) advantages. The std is the population std (ddof 0): a group of one gets advantage 0, not NaN.
 
 A group in which no member succeeded has no advantage under any group-relative estimator, however its members
-played: `failed_group_advantage` (<= 0) is added to every member's advantage there, so a map the policy gets
-wrong on every try still pushes it off what it did (negative-sample reinforcement, as in Zhu et al. 2025).
+played. With `failed_group_advantage` (lambda <= 0) such a group is compared with the batch instead: lambda x the
+batch's success rate is added to every member's advantage, so a map the policy gets wrong on every try still
+pushes it off what it did (negative-sample reinforcement, as in Zhu et al. 2025) once it solves others. Scaled by
+the batch's success, the push fades where every group fails: at the start, a constant -0.25 on every sampled
+token of an all-fail batch broke the reply format within five steps (valid replies 0.95 to 0.003).
 """
 
 from __future__ import annotations
@@ -46,7 +49,8 @@ class AdvantageSettings:
     step_weight: float = 1.0
     """GiGPO: omega in A = A_episode + omega * A_step."""
     failed_group_advantage: float = 0.0
-    """Added to the advantage of every member of a group in which no member succeeded (<= 0; 0: nothing)."""
+    """lambda <= 0: lambda x the batch's success rate is added to the advantage of every member of a group in which
+    no member succeeded (0: nothing)."""
 
     @classmethod
     def from_config(cls, cfg: RollstreamConfig) -> AdvantageSettings:
@@ -148,9 +152,17 @@ def compute_advantages(groups: Sequence[Sequence[Trajectory]],
     else:
         advantages = list(gigpo_advantages(groups, settings))
     if settings.failed_group_advantage:
-        failed = [not any(t.success for t in group) for group in groups for _ in group]
-        advantages = [a + settings.failed_group_advantage if f else a for a, f in zip(advantages, failed)]
+        advantages = push_failed_groups(groups, advantages, settings.failed_group_advantage)
     return advantages
+
+
+def push_failed_groups(groups: Sequence[Sequence[Trajectory]], advantages: list[TrajectoryAdvantage],
+                       weight: float) -> list[TrajectoryAdvantage]:
+    """`weight` x the batch's success rate added to the advantages of the groups no member of which succeeded."""
+    members = [t for group in groups for t in group]
+    push = weight * float(np.mean([t.success for t in members]))
+    failed = [not any(t.success for t in group) for group in groups for _ in group]
+    return [a + push if f else a for a, f in zip(advantages, failed)]
 
 
 def whiten(values: np.ndarray, eps: float = 1e-8) -> np.ndarray:

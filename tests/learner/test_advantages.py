@@ -102,16 +102,22 @@ def test_gigpo_keeps_groups_apart() -> None:
 
 
 @pytest.mark.parametrize("estimator", ["grpo", "gigpo"])
-def test_failed_group_advantage_pushes_only_groups_no_member_solved(estimator: str) -> None:
-    # Group 1 failed on every try (one member also paid a format penalty): without the setting its only signal
-    # is that penalty; with it every member gets -0.25 more. Group 0 had a success and is left as it was.
-    groups = scores([1, 0], [0, -0.01])
+def test_failed_group_advantage_pushes_groups_no_member_solved_by_the_batch_success(estimator: str) -> None:
+    # Groups 1 and 2 failed on every try (one member also paid a format penalty): without the setting their only
+    # signal is that penalty; with it every member gets -0.4 x the batch's success rate (1 of 6) more. Group 0 had
+    # a success and is left as it was.
+    groups = scores([1, 0], [0, -0.01], [0, 0])
     plain = AdvantageSettings(estimator, std_normalize="none")
-    pushed = AdvantageSettings(estimator, std_normalize="none", failed_group_advantage=-0.25)
+    pushed = AdvantageSettings(estimator, std_normalize="none", failed_group_advantage=-0.4)
     before, after = (np.concatenate([np.atleast_1d(a) for a in compute_advantages(groups, settings)])
                      for settings in (plain, pushed))
-    assert before[2] > 0 > before[3]  # the penalty alone
-    np.testing.assert_allclose(after, before + [0, 0, -0.25, -0.25])
+    assert before[2] > 0 > before[3] and before[4] == before[5] == 0  # the penalty alone
+    np.testing.assert_allclose(after, before + np.array([0, 0, 1, 1, 1, 1]) * -0.4 / 6)
+
+
+def test_failed_group_advantage_fades_where_every_group_fails() -> None:
+    pushed = AdvantageSettings("gigpo", std_normalize="none", failed_group_advantage=-0.4)
+    np.testing.assert_array_equal(np.concatenate(compute_advantages(scores([0, 0], [0, 0]), pushed)), [0, 0, 0, 0])
 
 
 def test_normalize_and_finalize() -> None:
