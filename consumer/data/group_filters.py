@@ -12,7 +12,7 @@ from typing import Protocol, cast
 
 import numpy as np
 
-from rollstream.consumer.learn.advantages import AdvantageSettings, compute_advantages
+from rollstream.consumer.learn.advantages import AdvantageSettings, compute_advantages, failed_everywhere
 from rollstream.shared.config import RollstreamConfig
 from rollstream.shared.imports import import_object
 from rollstream.shared.schema import Trajectory
@@ -33,7 +33,7 @@ class NoAdvantageFilter:
         self.settings = AdvantageSettings.from_config(cfg)
 
     def filter(self, group_id: str, trajectories: Sequence[Trajectory]) -> bool:
-        if self.settings.failed_group_advantage and not any(t.success for t in trajectories):
+        if self.settings.failed_group_advantage and failed_everywhere(trajectories):
             return False  # its push comes from the batch's success (failed_group_advantage), unknown here
         advantages = compute_advantages([trajectories], self.settings)
         return not any(np.any(np.asarray(a) != 0) for a in advantages)

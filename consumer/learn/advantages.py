@@ -156,12 +156,17 @@ def compute_advantages(groups: Sequence[Sequence[Trajectory]],
     return advantages
 
 
+def failed_everywhere(group: Sequence[Trajectory]) -> bool:
+    """No member of the group succeeded: its group-relative advantage is zero however its members played."""
+    return not any(t.success for t in group)
+
+
 def push_failed_groups(groups: Sequence[Sequence[Trajectory]], advantages: list[TrajectoryAdvantage],
                        weight: float) -> list[TrajectoryAdvantage]:
     """`weight` x the batch's success rate added to the advantages of the groups no member of which succeeded."""
     members = [t for group in groups for t in group]
     push = weight * float(np.mean([t.success for t in members]))
-    failed = [not any(t.success for t in group) for group in groups for _ in group]
+    failed = [failed_everywhere(group) for group in groups for _ in group]
     return [a + push if f else a for a, f in zip(advantages, failed)]
 
 
