@@ -52,6 +52,7 @@ def test_engine_server_run_survives_a_kill_of_its_server(tmp_path: Path, redis_s
         "train_env_manager.max_env_num_per_worker=4",  # two env-workers, one group each
         "actor_train.training_args.per_device_train_batch_size=8", "logging_steps=1",
         "train_env_manager.group_filter_cls=null",  # every group trains: the kill's accounting stays exact
+        "failed_group_advantage=0",  # steps as short as before the main job's push: the timing this test was sized on
         "actor_infer.strategy_args.strategy_name=vllm_server",
         f"actor_infer.strategy_args.strategy_config={{gpu_memory_utilization: 0.1, enforce_eager: true, "
         f"base_port: {port}, max_model_len: 1024}}",
