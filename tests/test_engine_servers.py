@@ -52,7 +52,6 @@ def test_engine_server_run_survives_a_kill_of_its_server(tmp_path: Path, redis_s
         "train_env_manager.max_env_num_per_worker=4",  # two env-workers, one group each
         "actor_train.training_args.per_device_train_batch_size=8", "logging_steps=1",
         "train_env_manager.group_filter_cls=null",  # every group trains: the kill's accounting stays exact
-        "failed_group_advantage=0",  # steps as short as before the main job's push: the timing this test was sized on
         "actor_infer.strategy_args.strategy_name=vllm_server",
         f"actor_infer.strategy_args.strategy_config={{gpu_memory_utilization: 0.1, enforce_eager: true, "
         f"base_port: {port}, max_model_len: 1024}}",
@@ -94,14 +93,17 @@ def test_engine_server_run_survives_a_kill_of_its_server(tmp_path: Path, redis_s
             assert versions and min(versions) >= step - RATIO and max(versions) <= step, (step, versions)
     assert max(turn.version for t in trajs for turn in t.turns) >= 2  # versions advanced on the server
     # Parity after a reload (untied model), against transformers on that version's weights: the newest version
-    # loaded by a reload (not at an engine's start) that whole trajectories came from
+    # loaded by a reload (not at an engine's start) that trained replies came from, turn by turn (a trajectory's
+    # turns may span versions: each turn's tokens are scored by its own version, on the whole prefix before it)
     reloaded = [int(v) for v in re.findall(r"engine 0: serving version (\d+) \(reload", engine_log)]
-    by_version = {v: [t for t in trajs if {turn.version for turn in t.turns} == {v}] for v in reloaded}
-    last = max((v for v in reloaded if by_version[v]), default=None)
-    assert last is not None, f"no trained trajectory came entirely from a reloaded version ({reloaded})"
-    for traj in by_version[last][:2]:
-        positions = np.flatnonzero(traj.response_mask)
-        ref = reference_logprobs(kept / f"v{last}", traj.input_ids, positions)
+    turns = {v: [(t, turn) for t in trajs for turn in t.turns if turn.version == v and turn.response_span[1]]
+             for v in reloaded}
+    last = max((v for v in reloaded if turns[v]), default=None)
+    assert last is not None, f"no trained reply came from a reloaded version ({reloaded})"
+    for traj, turn in turns[last][:3]:
+        span = np.arange(*turn.response_span)
+        positions = span[traj.response_mask[span] == 1]
+        ref = reference_logprobs(kept / f"v{last}", traj.input_ids[:turn.response_span[1]], positions)
         np.testing.assert_allclose(traj.logprobs[positions], ref, atol=1e-4, rtol=0)
 
     counts = read_counters(redis_client, keys)
