@@ -166,7 +166,7 @@ def push_failed_groups(groups: Sequence[Sequence[Trajectory]], advantages: list[
     """`weight` x the batch's success rate added to the advantages of the groups no member of which succeeded."""
     members = [t for group in groups for t in group]
     push = weight * float(np.mean([t.success for t in members]))
-    failed = [f for group in groups for f in [failed_everywhere(group)] * len(group)]
+    failed = np.repeat([failed_everywhere(group) for group in groups], [len(group) for group in groups])
     return [a + push if f else a for a, f in zip(advantages, failed)]
 
 
