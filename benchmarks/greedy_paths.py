@@ -1,13 +1,14 @@
 """What a run's policy does on its held-out maps, checkpoint by checkpoint: greedy moves and think paths.
 
-    PYTHONPATH=$PWD .venv/bin/python benchmarks/greedy_paths.py OUTPUT_DIR [--steps 0 50 100 150]
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/greedy_paths.py OUTPUT_DIR [--steps 0 50 100 150] [--tag TAG]
 
 Diagnostic only. For each step (0: the warm-started model in `OUTPUT_DIR/tiny_model`; N: the `torch_train`
-checkpoint `OUTPUT_DIR/checkpoints/step_N`), the run's held-out FrozenLake maps (the validation's seeds) are
-played through the transformers backend, once greedily and twice sampled at the config's temperature. It prints
-success, the first moves greedy decoding takes over the maps (one fixed move on every map: the policy does not
-read the map) and the share of replies that open a `<think>` on each path: greedy decoding can settle on a path
-that sampling, and so RL, rarely takes.
+checkpoint `OUTPUT_DIR/checkpoints/step_N`), the run's held-out maps of `TAG` (the validation's seeds; the
+config's first validation tag by default) are played through the transformers backend, once greedily and twice
+sampled at the config's temperature. It prints success, the first moves greedy decoding takes over the maps (one
+fixed move on every map: the policy does not read the map), the share of replies that open a `<think>`, the share
+of valid moves that leave the state as it was (a walk into a wall) and the share of episodes that come back to a
+state they left (a loop) on each path: greedy decoding can settle on a path that sampling, and so RL, rarely takes.
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ from rollstream.shared.envs.text import opens_think
 from rollstream.shared.schema import Trajectory
 from rollstream.shared.seeding import held_out_seed
 
-TAG = "FrozenLake"
 SAMPLED_ROUNDS = 2
 
 
@@ -47,25 +47,27 @@ def model_at(run: Path, step: int, into: Path) -> Path:
     return into
 
 
-async def play_held_out(cfg: RollstreamConfig, policy: HFPolicy, sampling: Sampling, rounds: int) -> list[Trajectory]:
+async def play_held_out(
+    cfg: RollstreamConfig, tag: str, policy: HFPolicy, sampling: Sampling, rounds: int
+) -> list[Trajectory]:
     """Every held-out map `rounds` times, all at once (the backend batches the requests)."""
     maps = cfg.val_env_manager.num_env_groups
 
     async def play(g: int) -> Trajectory:
-        spec = EpisodeSpec("val", TAG, g, 0, 0, held_out_seed(cfg.seed, g), 0)
-        return await play_episode(make_env(TAG, cfg.custom_envs), policy, spec, sampling,
+        spec = EpisodeSpec("val", tag, g, 0, 0, held_out_seed(cfg.seed, g), 0)
+        return await play_episode(make_env(tag, cfg.custom_envs), policy, spec, sampling,
                                   chat=chat_template_of(policy), sequence_length=cfg.sequence_length)
 
     return list(await asyncio.gather(*(play(g) for _ in range(rounds) for g in range(maps))))
 
 
-async def greedy_and_sampled(cfg: RollstreamConfig, model: Path) -> tuple[list[Trajectory], list[Trajectory]]:
-    max_tokens = cfg.reply_tokens(TAG)
+async def greedy_and_sampled(cfg: RollstreamConfig, tag: str, model: Path) -> tuple[list[Trajectory], list[Trajectory]]:
+    max_tokens = cfg.reply_tokens(tag)
     policy = HFPolicy(model, seed=cfg.seed)
     try:
-        greedy = await play_held_out(cfg, policy, Sampling.greedy(max_tokens, cfg.actor_infer.generating_args), 1)
+        greedy = await play_held_out(cfg, tag, policy, Sampling.greedy(max_tokens, cfg.actor_infer.generating_args), 1)
         sampled = Sampling.training(max_tokens, cfg.actor_infer.generating_args)
-        return greedy, await play_held_out(cfg, policy, sampled, SAMPLED_ROUNDS)
+        return greedy, await play_held_out(cfg, tag, policy, sampled, SAMPLED_ROUNDS)
     finally:
         await policy.close()
 
@@ -75,23 +77,47 @@ def think_share(trajs: list[Trajectory]) -> float:
     return sum(map(opens_think, replies)) / max(len(replies), 1)
 
 
+def still_share(trajs: list[Trajectory]) -> float:
+    """Valid moves after which the policy saw the same state again (the last move of an episode is not seen)."""
+    moves = [(a, b) for t in trajs for a, b in zip(t.turns, t.turns[1:]) if a.action_is_valid]
+    return sum(a.observation == b.observation for a, b in moves) / max(len(moves), 1)
+
+
+def loop_share(trajs: list[Trajectory]) -> float:
+    """Episodes that came back to a state they had left (a stay in place is not a return)."""
+
+    def loops(t: Trajectory) -> bool:
+        states = [turn.observation for turn in t.turns]
+        return any(states[i] != states[i - 1] and states[i] in states[: i - 1] for i in range(1, len(states)))
+
+    return sum(map(loops, trajs)) / max(len(trajs), 1)
+
+
+def path_figures(trajs: list[Trajectory]) -> str:
+    success = sum(t.success for t in trajs) / len(trajs)
+    return f"{success:.2f} / {think_share(trajs):.2f} / {still_share(trajs):.2f} / {loop_share(trajs):.2f}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("run", type=Path, help="a run's output dir (config.yaml, tiny_model, checkpoints)")
     parser.add_argument("--steps", type=int, nargs="+", default=[0, 50, 100, 150])
+    parser.add_argument("--tag", help="the env tag to play (default: the config's first validation tag)")
     args = parser.parse_args()
     cfg = load_config(args.run / "config.yaml")
-    print(f"{args.run}: {cfg.val_env_manager.num_env_groups} held-out maps, greedy once, sampled {SAMPLED_ROUNDS}x")
-    print("| step | greedy success | greedy first moves | greedy replies opening a think | sampled success | "
-          "sampled replies opening a think |")
-    print("|---|---|---|---|---|---|")
+    tag = args.tag or cfg.val_env_manager.tags[0]
+    print(f"{args.run}: {cfg.val_env_manager.num_env_groups} held-out {tag} maps, greedy once, "
+          f"sampled {SAMPLED_ROUNDS}x; each path: success, replies opening a think, valid moves that change "
+          "nothing, episodes that loop back")
+    print("| step | greedy first moves | greedy: success / think / still / loop | "
+          "sampled: success / think / still / loop |")
+    print("|---|---|---|---|")
     for step in args.steps:
         with tempfile.TemporaryDirectory() as tmp:
-            g, s = asyncio.run(greedy_and_sampled(cfg, model_at(args.run, step, Path(tmp) / "model")))
+            g, s = asyncio.run(greedy_and_sampled(cfg, tag, model_at(args.run, step, Path(tmp) / "model")))
         first = Counter(t.turns[0].action if t.turns else None for t in g)
         moves = ", ".join(f"{move} {n}" for move, n in first.most_common())
-        print(f"| {step} | {sum(t.success for t in g) / len(g):.2f} | {moves} | {think_share(g):.2f} | "
-              f"{sum(t.success for t in s) / len(s):.2f} | {think_share(s):.2f} |", flush=True)
+        print(f"| {step} | {moves} | {path_figures(g)} | {path_figures(s)} |", flush=True)
 
 
 if __name__ == "__main__":
