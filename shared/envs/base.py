@@ -23,23 +23,30 @@ def check_positive_int(name: str, value: Any) -> int:
     return int(value)
 
 
+def _check_number(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    return float(value)
+
+
 class TextEnv(gym.Env[str, str], ABC):
     """A gymnasium env for an LLM agent: `step` takes the reply text, parses the action and plays it.
 
     Subclasses set `action_names` and implement the game hooks below; this class owns parsing, the format
     penalty, the turn count and truncation. An invalid reply costs `format_penalty`, changes nothing and is
-    not terminal. After `max_actions_per_traj` turns (valid or not) the episode is truncated.
+    not terminal. A valid move that leaves the state as it was (a walk into a wall) costs the game's own reward
+    plus `no_effect_penalty` (0: nothing more). After `max_actions_per_traj` turns (valid or not) the episode
+    is truncated.
     """
 
     metadata = {"render_modes": ["rgb_array"], "render_fps": 2}
     action_names: tuple[str, ...] = ()
 
     def __init__(self, *, max_actions_per_traj: int = 10, format_penalty: float = -0.1,
-                 action_pattern: str | None = None) -> None:
+                 no_effect_penalty: float = 0.0, action_pattern: str | None = None) -> None:
         self.max_actions_per_traj = check_positive_int("max_actions_per_traj", max_actions_per_traj)
-        if isinstance(format_penalty, bool) or not isinstance(format_penalty, (int, float)):
-            raise ValueError(f"format_penalty must be a number, got {format_penalty!r}")
-        self.format_penalty = float(format_penalty)
+        self.format_penalty = _check_number("format_penalty", format_penalty)
+        self.no_effect_penalty = _check_number("no_effect_penalty", no_effect_penalty)
         self.action_pattern = compile_action_pattern(action_pattern)
         """ROLL's env_config.action_pattern: a regex whose first group (or whole match) is the action."""
         self.system_template: str | None = None
@@ -123,19 +130,25 @@ class TextEnv(gym.Env[str, str], ABC):
             raise RuntimeError(f"{type(self).__name__}.step() called without reset() or after the episode ended")
         action = parse_action(reply, self.action_names, self.action_pattern) if isinstance(reply, str) else None
         self._turn += 1
+        before = self.render_text()
         if action is None:
             reward, terminated = self.format_penalty, False
         else:
             reward, terminated = self._play(action)
+        observation = self.render_text()
+        effective = observation != before
+        if action is not None and not effective:
+            reward += self.no_effect_penalty
         truncated = not terminated and self._turn >= self.max_actions_per_traj
         self._done = terminated or truncated
         info = {
             "action": action,
             "action_is_valid": action is not None,
+            "action_is_effective": effective,
             "success": self.is_success(),
             "actions_left": self.actions_left,
         }
-        return self.render_text(), float(reward), terminated, truncated, info
+        return observation, float(reward), terminated, truncated, info
 
     def render(self) -> np.ndarray:
         """gymnasium's render API: the only render mode is rgb_array."""

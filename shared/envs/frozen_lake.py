@@ -77,11 +77,12 @@ class FrozenLakeEnv(TextEnv):
         p: float = 0.8,
         is_slippery: bool = False,
         format_penalty: float = -0.1,
+        no_effect_penalty: float = 0.0,
         action_pattern: str | None = None,
         max_actions_per_traj: int = 10,
     ) -> None:
         super().__init__(max_actions_per_traj=max_actions_per_traj, format_penalty=format_penalty,
-                         action_pattern=action_pattern)
+                         no_effect_penalty=no_effect_penalty, action_pattern=action_pattern)
         # size 1 and p 0 would make gymnasium's generator loop forever looking for a path.
         self.size = check_positive_int("size", size)
         if self.size < 2:

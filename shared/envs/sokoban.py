@@ -344,12 +344,13 @@ class SokobanEnv(TextEnv):
         search_depth: int = 30,
         grid_vocab: Mapping[str, str] | None = None,
         format_penalty: float = -0.1,
+        no_effect_penalty: float = 0.0,
         action_pattern: str | None = None,
         max_actions_per_traj: int = 10,
         distance_shaping: float = 0.0,
     ) -> None:
         super().__init__(max_actions_per_traj=max_actions_per_traj, format_penalty=format_penalty,
-                         action_pattern=action_pattern)
+                         no_effect_penalty=no_effect_penalty, action_pattern=action_pattern)
         self.num_boxes = check_positive_int("num_boxes", num_boxes)
         self.dim_room = _check_dim_room(dim_room, self.num_boxes)
         self.search_depth = check_positive_int("search_depth", search_depth)

@@ -79,6 +79,16 @@ def test_edge_move_is_valid_and_stays() -> None:
     obs, _ = env.reset(seed=1)
     after, reward, terminated, truncated, info = env.step("<answer>Left</answer>")
     assert after == obs and reward == 0.0 and info["action"] == "Left" and info["action_is_valid"]
+    assert not info["action_is_effective"]
+
+
+def test_no_effect_penalty_charges_a_move_that_stays_and_only_that() -> None:
+    env = FrozenLakeEnv(no_effect_penalty=-0.5)
+    env.reset(seed=1)
+    _, reward, _, _, info = env.step("<answer>Left</answer>")  # from the top-left corner
+    assert reward == -0.5 and not info["action_is_effective"]
+    _, reward, _, _, info = env.step("<answer>Jump</answer>")  # invalid: the format penalty alone
+    assert reward == -0.1 and not info["action_is_effective"]
 
 
 def test_invalid_reply_costs_penalty_and_changes_nothing() -> None:
@@ -87,7 +97,8 @@ def test_invalid_reply_costs_penalty_and_changes_nothing() -> None:
     for turn, reply in enumerate(["go left", "<answer>Jump</answer>", "<answer>Left"], start=1):
         after, reward, terminated, truncated, info = env.step(reply)
         assert after == obs and reward == -0.5 and not terminated
-        assert info == {"action": None, "action_is_valid": False, "success": False, "actions_left": 3 - turn}
+        assert info == {"action": None, "action_is_valid": False, "action_is_effective": False, "success": False,
+                        "actions_left": 3 - turn}
         assert truncated == (turn == 3)
 
 
@@ -139,6 +150,7 @@ def test_system_prompt_lists_rules_symbols_actions_and_format() -> None:
     ("kwargs", "key"),
     [({"size": 1}, "size"), ({"size": "4"}, "size"), ({"p": 0}, "p"), ({"p": 1.5}, "p"),
      ({"is_slippery": "yes"}, "is_slippery"), ({"format_penalty": "x"}, "format_penalty"),
+     ({"no_effect_penalty": True}, "no_effect_penalty"),
      ({"max_actions_per_traj": 0}, "max_actions_per_traj")],
 )
 def test_bad_config_values_name_the_key(kwargs: dict, key: str) -> None:

@@ -199,6 +199,20 @@ def test_same_seed_same_room_and_reuse() -> None:
     assert len({SokobanEnv(**SIMPLE).reset(seed=s)[0] for s in range(20)}) > 10
 
 
+def test_no_effect_penalty_charges_blocked_moves_only() -> None:
+    charged, plain = SokobanEnv(**SIMPLE, no_effect_penalty=-1.0), SokobanEnv(**SIMPLE)
+    seen = set()
+    for seed in range(5):
+        for action in ACTIONS:  # each first move of five rooms: some walk into a wall, some move
+            charged.reset(seed=seed), plain.reset(seed=seed)
+            moved = play(charged.room, action)[0] != charged.room
+            _, reward, _, _, info = charged.step(format_reply(action))
+            assert info["action_is_effective"] == moved
+            assert reward - plain.step(format_reply(action))[1] == pytest.approx(0.0 if moved else -1.0)
+            seen.add(moved)
+    assert seen == {True, False}
+
+
 def test_invalid_reply_and_truncation() -> None:
     env = SokobanEnv(**SIMPLE, max_actions_per_traj=2)
     obs, _ = env.reset(seed=0)
@@ -230,6 +244,7 @@ def test_grid_vocab_changes_only_the_symbols() -> None:
         ({"search_depth": -1}, "search_depth"),
         ({"distance_shaping": -0.5}, "distance_shaping"),
         ({"distance_shaping": "yes"}, "distance_shaping"),
+        ({"no_effect_penalty": "big"}, "no_effect_penalty"),
     ],
 )
 def test_bad_config_values_name_the_key(kwargs: dict, message: str) -> None:
