@@ -22,6 +22,7 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
+from rollstream.consumer.data.batch_stats import no_effect_rate
 from rollstream.consumer.learn.checkpoints import strategy_dir
 from rollstream.consumer.learn.state_file import load_state
 from rollstream.consumer.learn.strategy.torch_strategy import CHECKPOINT_FILE
@@ -77,12 +78,6 @@ def think_share(trajs: list[Trajectory]) -> float:
     return sum(map(opens_think, replies)) / max(len(replies), 1)
 
 
-def still_share(trajs: list[Trajectory]) -> float:
-    """Valid moves after which the policy saw the same state again (the last move of an episode is not seen)."""
-    moves = [(a, b) for t in trajs for a, b in zip(t.turns, t.turns[1:]) if a.action_is_valid]
-    return sum(a.observation == b.observation for a, b in moves) / max(len(moves), 1)
-
-
 def loop_share(trajs: list[Trajectory]) -> float:
     """Episodes that came back to a state they had left (a stay in place is not a return)."""
 
@@ -95,7 +90,7 @@ def loop_share(trajs: list[Trajectory]) -> float:
 
 def path_figures(trajs: list[Trajectory]) -> str:
     success = sum(t.success for t in trajs) / len(trajs)
-    return f"{success:.2f} / {think_share(trajs):.2f} / {still_share(trajs):.2f} / {loop_share(trajs):.2f}"
+    return f"{success:.2f} / {think_share(trajs):.2f} / {no_effect_rate(trajs):.2f} / {loop_share(trajs):.2f}"
 
 
 def main() -> None:
@@ -109,8 +104,8 @@ def main() -> None:
     print(f"{args.run}: {cfg.val_env_manager.num_env_groups} held-out {tag} maps, greedy once, "
           f"sampled {SAMPLED_ROUNDS}x; each path: success, replies opening a think, valid moves that change "
           "nothing, episodes that loop back")
-    print("| step | greedy first moves | greedy: success / think / still / loop | "
-          "sampled: success / think / still / loop |")
+    print("| step | greedy first moves | greedy: success / think / no effect / loop | "
+          "sampled: success / think / no effect / loop |")
     print("|---|---|---|---|")
     for step in args.steps:
         with tempfile.TemporaryDirectory() as tmp:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from rollstream.shared.schema import Trajectory, Turn, make_group_id, make_traj_id
@@ -20,3 +22,9 @@ def make_traj(group_index: int = 0, episode: int = 0, member: int = 0, *, versio
         end_reason="terminated", input_ids=np.arange(tokens, dtype=np.int32), response_mask=mask,
         logprobs=np.linspace(-1, 0, tokens, dtype=np.float32) * mask, created_at=1.0,
     )
+
+
+def traj_through(*states: str, valid: bool = True) -> Trajectory:
+    """An episode whose policy saw `states` in turn and gave one valid (or invalid) reply to each."""
+    turns = [Turn(0, state, "<answer>Up</answer>", "Up" if valid else None, valid, -0.1) for state in states]
+    return replace(make_traj(), turns=turns)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from rollstream.consumer.data.batch_stats import rollout_stats
-from tests.factories import make_traj
+from rollstream.consumer.data.batch_stats import no_effect_rate, rollout_stats
+from tests.factories import make_traj, traj_through
 
 
 def test_staleness_histogram_has_every_value_up_to_the_ratio() -> None:
@@ -50,3 +50,11 @@ def test_failed_groups_is_the_share_of_groups_no_member_solved() -> None:
     failed = [make_traj(group_index=g, member=m, score=0.0) for g in (1, 2) for m in (0, 1)]
     assert rollout_stats(solved + failed, step=0)["rollout/failed_groups"] == pytest.approx(2 / 3)
     assert rollout_stats([], step=0)["rollout/failed_groups"] == 0.0
+
+
+def test_no_effect_rate_counts_valid_moves_that_change_nothing() -> None:
+    assert no_effect_rate([traj_through("A", "B", "C")]) == 0.0
+    assert no_effect_rate([traj_through("A", "A", "B", "B")]) == 2 / 3
+    assert no_effect_rate([traj_through("A", "A", "A", valid=False)]) == 0.0  # an invalid reply is not a move
+    stats = rollout_stats([traj_through("A", "A", "B"), traj_through("A", "B", "C")], step=0)
+    assert stats["rollout/no_effect_rate"] == 0.25

@@ -32,8 +32,9 @@ def rollout_stats(trajs: Sequence[Trajectory], step: int, max_staleness: int = 0
 
 
 def per_tag_stats(prefix: str, trajs: Sequence[Trajectory]) -> dict[str, float]:
-    """Score, success, actions, valid-action rate, the share of replies that open a think and (for policies with
-    tokens) the mean reply length in tokens under `prefix/`, and under `prefix/<tag>/` per tag."""
+    """Score, success, actions, valid-action rate, the share of valid moves that change nothing, the share of
+    replies that open a think and (for policies with tokens) the mean reply length in tokens under `prefix/`, and
+    under `prefix/<tag>/` per tag."""
     stats = _summary(prefix, trajs)
     by_tag: dict[str, list[Trajectory]] = defaultdict(list)
     for t in trajs:
@@ -54,9 +55,17 @@ def _summary(prefix: str, trajs: Iterable[Trajectory]) -> dict[str, float]:
         f"{prefix}/success": float(np.mean([t.success for t in trajs])),
         f"{prefix}/num_actions": float(np.mean([t.num_actions for t in trajs])),
         f"{prefix}/valid_action_rate": float(np.mean([turn.action_is_valid for turn in turns])) if turns else 0.0,
+        f"{prefix}/no_effect_rate": no_effect_rate(trajs),
         f"{prefix}/think_rate": float(np.mean([opens_think(turn.reply) for turn in turns])) if turns else 0.0,
     }
     spans = [turn.response_span[1] - turn.response_span[0] for turn in turns if turn.response_span != (0, 0)]
     if spans:  # scripted policies write no tokens
         stats[f"{prefix}/reply_tokens"] = float(np.mean(spans))
     return stats
+
+
+def no_effect_rate(trajs: Iterable[Trajectory]) -> float:
+    """The share of valid moves after which the policy saw the same state again (a walk into a wall). An
+    episode's last move is not counted: its outcome is not in the trajectory."""
+    moves = [(a, b) for t in trajs for a, b in zip(t.turns, t.turns[1:]) if a.action_is_valid]
+    return sum(a.observation == b.observation for a, b in moves) / max(len(moves), 1)
