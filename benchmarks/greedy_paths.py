@@ -22,7 +22,7 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from rollstream.consumer.data.batch_stats import no_effect_rate
+from rollstream.consumer.data.batch_stats import per_tag_stats
 from rollstream.consumer.learn.checkpoints import strategy_dir
 from rollstream.consumer.learn.state_file import load_state
 from rollstream.consumer.learn.strategy.torch_strategy import CHECKPOINT_FILE
@@ -31,7 +31,6 @@ from rollstream.producer.policy.factory import chat_template_of
 from rollstream.producer.policy.hf import HFPolicy
 from rollstream.shared.config import RollstreamConfig, load_config
 from rollstream.shared.envs.registry import make_env
-from rollstream.shared.envs.text import opens_think
 from rollstream.shared.schema import Trajectory
 from rollstream.shared.seeding import held_out_seed
 
@@ -73,11 +72,6 @@ async def greedy_and_sampled(cfg: RollstreamConfig, tag: str, model: Path) -> tu
         await policy.close()
 
 
-def think_share(trajs: list[Trajectory]) -> float:
-    replies = [turn.reply for t in trajs for turn in t.turns]
-    return sum(map(opens_think, replies)) / max(len(replies), 1)
-
-
 def loop_share(trajs: list[Trajectory]) -> float:
     """Episodes that came back to a state they had left (a stay in place is not a return)."""
 
@@ -89,8 +83,9 @@ def loop_share(trajs: list[Trajectory]) -> float:
 
 
 def path_figures(trajs: list[Trajectory]) -> str:
-    success = sum(t.success for t in trajs) / len(trajs)
-    return f"{success:.2f} / {think_share(trajs):.2f} / {no_effect_rate(trajs):.2f} / {loop_share(trajs):.2f}"
+    stats = per_tag_stats("path", trajs)  # the same figures a run's validation logs
+    return (f"{stats['path/success']:.2f} / {stats['path/think_rate']:.2f} / {stats['path/no_effect_rate']:.2f} / "
+            f"{loop_share(trajs):.2f}")
 
 
 def main() -> None:
