@@ -59,7 +59,7 @@ ROLL_KEYS: tuple[RollKey, ...] = (
     RollKey("<role>.model_args.disable_gradient_checkpointing", "honoured", "same meaning"),
     *(RollKey(f"actor_train.training_args.{k}", "honoured", "same meaning") for k in (
         "learning_rate", "weight_decay", "per_device_train_batch_size", "gradient_accumulation_steps",
-        "warmup_steps")),
+        "warmup_steps", "adam_beta1", "adam_beta2", "adam_epsilon")),
     RollKey("actor_train.training_args.lr_scheduler_type", "honoured", "constant, linear or cosine"),
     *(RollKey(f"actor_infer.generating_args.{k}", "honoured", "same meaning") for k in (
         "top_p", "top_k", "temperature")),

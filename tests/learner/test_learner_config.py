@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from rollstream.consumer.learn.strategy import ModelSettings, OptimSettings
+from rollstream.consumer.learn.strategy.deepspeed_strategy import ds_config
 from rollstream.shared.config import ConfigError, load_config
 
 
@@ -41,11 +43,23 @@ def test_bad_learning_values_are_named(override: str, message: str) -> None:
     ("actor_train.model_args.dtype=fp16", "dtype='fp16': must be 'fp32' or 'bf16'"),
     ("actor_train.training_args.per_device_train_batch_size=0", "per_device_train_batch_size=0: must be an integer"),
     ("actor_train.training_args.max_grad_norm=-1", "max_grad_norm=-1: must be >= 0"),
+    ("actor_train.training_args.adam_beta2=1", "adam_beta2=1: must be < 1"),
+    ("actor_train.training_args.adam_epsilon=0", "adam_epsilon=0: must be > 0"),
 ])
 def test_bad_training_values_are_named(tmp_path: Path, override: str, message: str) -> None:
     base = [f"pretrain={tmp_path}", "actor_train.strategy_args.strategy_name=torch_train"]
     with pytest.raises(ConfigError, match=message):
         load_config(None, [*base, override])
+
+
+def test_adam_settings_reach_both_strategies_optimizers(tmp_path: Path) -> None:
+    cfg = load_config(None, [f"pretrain={tmp_path}", "actor_train.training_args.adam_beta2=0.99",
+                             "actor_train.training_args.adam_epsilon=1e-6"])
+    optim = OptimSettings.from_config(cfg)
+    assert (optim.betas, optim.eps) == ((0.9, 0.99), 1e-6)
+    params = ds_config(ModelSettings.from_config(cfg), optim, zero_stage=2, micro_batch_size=1)["optimizer"]["params"]
+    assert (params["betas"], params["eps"]) == ([0.9, 0.99], 1e-6)
+    assert OptimSettings.from_config(load_config(None, [])).betas == (0.9, 0.999)  # torch's defaults unless set
 
 
 def test_an_adaptive_entropy_bonus_cannot_start_above_its_ceiling() -> None:

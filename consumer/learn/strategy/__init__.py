@@ -63,7 +63,7 @@ class OptimSettings:
         args = cfg.actor_train.training_args
         total = cfg.max_steps * cfg.ppo_epochs * optimizer_steps_per_epoch(cfg)
         return cls(args.learning_rate, total, args.weight_decay, args.max_grad_norm, args.warmup_steps,
-                   args.lr_scheduler_type)
+                   args.lr_scheduler_type, (args.adam_beta1, args.adam_beta2), args.adam_epsilon)
 
 
 def launched_world_size() -> int:
