@@ -195,9 +195,9 @@ class TrainingArgs:
     adam_beta1: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.9
     """AdamW's first-moment decay (transformers' name)."""
     adam_beta2: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.999
-    """AdamW's second-moment decay: how long a stretch of small gradients keeps the next steps small."""
+    """AdamW's second-moment decay: it remembers the gradients' scale over about 1 / (1 - adam_beta2) steps."""
     adam_epsilon: Annotated[float, Field(gt=0.0)] = 1.0e-8
-    """Added to AdamW's second-moment root: the larger, the smaller a step after a stretch of tiny gradients."""
+    """Added to the root of AdamW's second moment: it bounds the step that follows a stretch of tiny gradients."""
     per_device_train_batch_size: PositiveInt = 8
     """Trajectories per micro-batch (one forward and backward) on each rank."""
     gradient_accumulation_steps: PositiveInt = 1
