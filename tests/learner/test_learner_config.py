@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from rollstream.consumer.learn.strategy import ModelSettings, OptimSettings
+from rollstream.consumer.learn.strategy import ModelSettings, OptimSettings, make_strategy
 from rollstream.consumer.learn.strategy.deepspeed_strategy import ds_config
 from rollstream.shared.config import ConfigError, load_config
 
@@ -52,11 +52,15 @@ def test_bad_training_values_are_named(tmp_path: Path, override: str, message: s
         load_config(None, [*base, override])
 
 
-def test_adam_settings_reach_both_strategies_optimizers(tmp_path: Path) -> None:
-    cfg = load_config(None, [f"pretrain={tmp_path}", "actor_train.training_args.adam_beta2=0.99",
+def test_adam_settings_reach_both_strategies_optimizers(tiny_model: Path) -> None:
+    cfg = load_config(None, [f"pretrain={tiny_model}", "actor_train.strategy_args.strategy_name=torch_train",
+                             "actor_train.strategy_args.strategy_config={device: cpu}",
+                             "actor_train.training_args.adam_beta2=0.99",
                              "actor_train.training_args.adam_epsilon=1e-6"])
     optim = OptimSettings.from_config(cfg)
     assert (optim.betas, optim.eps) == ((0.9, 0.99), 1e-6)
+    torch_group = make_strategy(cfg).optimizer.param_groups[0]  # type: ignore[attr-defined]
+    assert (torch_group["betas"], torch_group["eps"]) == ((0.9, 0.99), 1e-6)
     params = ds_config(ModelSettings.from_config(cfg), optim, zero_stage=2, micro_batch_size=1)["optimizer"]["params"]
     assert (params["betas"], params["eps"]) == ([0.9, 0.99], 1e-6)
     assert OptimSettings.from_config(load_config(None, [])).betas == (0.9, 0.999)  # torch's defaults unless set
