@@ -54,7 +54,7 @@ def _summary(prefix: str, trajs: Iterable[Trajectory]) -> dict[str, float]:
         f"{prefix}/score": float(np.mean([t.score for t in trajs])),
         f"{prefix}/success": float(np.mean([t.success for t in trajs])),
         f"{prefix}/num_actions": float(np.mean([t.num_actions for t in trajs])),
-        f"{prefix}/valid_action_rate": float(np.mean([turn.action_is_valid for turn in turns])) if turns else 0.0,
+        f"{prefix}/valid_action_rate": valid_action_rate(trajs),
         f"{prefix}/no_effect_rate": no_effect_rate(trajs),
         f"{prefix}/think_rate": float(np.mean([opens_think(turn.reply) for turn in turns])) if turns else 0.0,
     }
@@ -62,6 +62,12 @@ def _summary(prefix: str, trajs: Iterable[Trajectory]) -> dict[str, float]:
     if spans:  # scripted policies write no tokens
         stats[f"{prefix}/reply_tokens"] = float(np.mean(spans))
     return stats
+
+
+def valid_action_rate(trajs: Iterable[Trajectory]) -> float:
+    """The share of the replies whose action parsed (0.0 without replies)."""
+    turns = [turn.action_is_valid for t in trajs for turn in t.turns]
+    return float(np.mean(turns)) if turns else 0.0
 
 
 def no_effect_rate(trajs: Iterable[Trajectory]) -> float:

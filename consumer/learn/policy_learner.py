@@ -45,10 +45,12 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from rollstream.consumer.data.batch_stats import valid_action_rate
 from rollstream.consumer.data.batcher import Batch
 from rollstream.consumer.learn.advantages import AdvantageSettings, compute_advantages
 from rollstream.consumer.learn.checkpoints import LearnerState, load_learner_state, save_checkpoint, strategy_dir
 from rollstream.consumer.learn.entropy_control import EntropyControl
+from rollstream.consumer.learn.kl_anchor import needs_reference, step_kl_coef
 from rollstream.consumer.learn.loss import (
     approx_kl,
     ban_logits,
@@ -87,7 +89,7 @@ class UpdateSettings:
     old_logprobs: OldLogprobs = "engine"
     """engine | recompute."""
     kl_coef: float = 0.0
-    """k3 KL penalty to the reference (initial) weights (`init_kl_coef`); 0 loads no reference."""
+    """k3 KL penalty to the reference (initial) weights (`init_kl_coef`; a step's own with `kl_anchor_valid_rate`)."""
     entropy_coef: float = 0.0
     """Entropy bonus (`entropy_loss_coef`)."""
     ppo_epochs: int = 1
@@ -148,7 +150,7 @@ class PolicyLearner:
         self.weights_dir = Path(cfg.output_dir) / "weights"
         self.generator = torch.Generator().manual_seed(cfg.seed)
         """Shuffles mini-batches; its state is part of a checkpoint."""
-        self.reference = load_reference(cfg, strategy.device) if self.settings.kl_coef > 0 else None
+        self.reference = load_reference(cfg, strategy.device) if needs_reference(cfg) else None
         self.entropy_control = EntropyControl.from_config(cfg)
         self.steps_done = 0
 
@@ -163,9 +165,11 @@ class PolicyLearner:
         metrics = advantage_stats(tokens)
         metrics["actor/zero_adv_rows"] = float(tokens.num_rows - int(rows_with_gradient(tokens).sum()))
         metrics["time/advantages_s"] = time.monotonic() - start
-        settings = replace(self.settings, entropy_coef=self.entropy_control.bonus)
+        settings = replace(self.settings, entropy_coef=self.entropy_control.bonus,
+                           kl_coef=step_kl_coef(self.cfg, valid_action_rate(trajs)))
         metrics |= self.update(tokens, settings)
         metrics["actor/entropy_coef"] = settings.entropy_coef
+        metrics["actor/kl_coef"] = settings.kl_coef
         self.entropy_control.observe(metrics["loss/entropy"])
         self.steps_done += 1
         return metrics

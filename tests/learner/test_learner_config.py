@@ -29,6 +29,9 @@ def test_defaults_load_without_a_model() -> None:
     ("pg_clip_low=1", "pg_clip_low=1: must be < 1"),
     ("pg_clip_high=0", "pg_clip_high=0: must be > 0"),
     ("early_stop_kl=0", "early_stop_kl=0: must be > 0"),
+    ("kl_anchor_valid_rate=0", "kl_anchor_valid_rate=0: must be > 0"),
+    ("kl_anchor_valid_rate=1.5", "kl_anchor_valid_rate=1.5: must be <= 1"),
+    ("kl_anchor_coef=0", "kl_anchor_coef=0: must be > 0"),
     ("entropy_target=-1", "entropy_target=-1: must be > 0"),
     ("entropy_coef_max=0", "entropy_coef_max=0: must be > 0"),
 ])

@@ -141,6 +141,30 @@ def test_early_stop_kl_discards_the_minibatch_that_crossed_it_and_ends_the_step(
     training_on.close()
 
 
+def test_the_format_anchor_engages_only_on_a_batch_whose_replies_fail_to_parse(
+        tmp_path: Path, tiny_model: Path, groups: list[list[Trajectory]]) -> None:
+    """kl_anchor_valid_rate: a batch whose replies parse trains exactly as without the anchor (no KL term); a
+    batch of unparsed replies that all scored alike (no advantage left: a policy that lost its format) gets the KL
+    penalty to the warm start, the only gradient such a batch has, so the weights then differ."""
+    anchored = torch_learner(tmp_path / "a", tiny_model, "kl_anchor_valid_rate=0.5", "kl_anchor_coef=0.05")
+    plain = torch_learner(tmp_path / "b", tiny_model)
+    assert anchored.reference is not None and plain.reference is None
+    parsed = [anchored.train_step(make_batch(groups)), plain.train_step(make_batch(groups))]
+    assert [m["actor/kl_coef"] for m in parsed] == [0.0, 0.0]
+    for name, value in params(plain).items():
+        torch.testing.assert_close(params(anchored)[name], value, rtol=0, atol=0)
+    failed = [[dataclasses.replace(t, score=-1.0, success=False,
+                                   turns=[dataclasses.replace(u, action=None, action_is_valid=False, reward=-1.0)
+                                          for u in t.turns]) for t in group] for group in groups]
+    broken = [anchored.train_step(make_batch(failed, 1)), plain.train_step(make_batch(failed, 1))]
+    assert [m["actor/kl_coef"] for m in broken] == [0.05, 0.0]
+    assert broken[0]["adv/std"] == broken[1]["adv/std"] == 0.0
+    assert broken[0]["loss/kl"] > 0  # the first step moved the policy away from the warm start
+    assert any(not torch.equal(params(anchored)[k], v) for k, v in params(plain).items())
+    anchored.close()
+    plain.close()
+
+
 def test_gigpo_recompute_kl_and_entropy_together(tmp_path: Path, tiny_model: Path, sampler: TinySampler) -> None:
     """Two-turn episodes with per-turn GiGPO advantages, recomputed old logprobs, a KL penalty and an entropy
     bonus, two PPO epochs of two mini-batches each."""

@@ -1,0 +1,28 @@
+"""The format anchor (`kl_anchor_valid_rate`): a KL penalty to the warm start that engages only while a batch's
+replies fail to parse.
+
+A policy that loses its reply format has no way back on its own: when every member of every group fails the same
+way, every group-relative advantage is zero and the only gradient left is the entropy bonus, which spreads the
+policy further (measured: a policy whose closing tag had been swapped for another token, valid replies 0-0.3% for
+nine steps and entropy 0.01 -> 0.78). The warm start (`pretrain`) writes the format on every reply, so a KL
+penalty to it pulls the format back (the same policy with `init_kl_coef: 0.01`: valid replies 17% -> 95% in 15
+steps). A fixed penalty also pulls every action towards the warm start's uniformly random ones for the whole run;
+this one costs nothing while the replies parse.
+"""
+
+from __future__ import annotations
+
+from rollstream.shared.config import RollstreamConfig
+
+
+def step_kl_coef(cfg: RollstreamConfig, valid_rate: float) -> float:
+    """The KL coefficient of a step whose batch has `valid_rate`: init_kl_coef, raised to kl_anchor_coef while the
+    rate is below kl_anchor_valid_rate."""
+    if cfg.kl_anchor_valid_rate is not None and valid_rate < cfg.kl_anchor_valid_rate:
+        return max(cfg.init_kl_coef, cfg.kl_anchor_coef)
+    return cfg.init_kl_coef
+
+
+def needs_reference(cfg: RollstreamConfig) -> bool:
+    """Whether the trainer loads the reference weights: for a fixed penalty, or for an anchor that may engage."""
+    return cfg.init_kl_coef > 0 or cfg.kl_anchor_valid_rate is not None
