@@ -3,11 +3,12 @@ replies fail to parse.
 
 A policy that loses its reply format has no way back on its own: when every member of every group fails the same
 way, every group-relative advantage is zero and the only gradient left is the entropy bonus, which spreads the
-policy further (measured: a policy whose closing tag had been swapped for another token, valid replies 0-0.3% for
-nine steps and entropy 0.01 -> 0.78). The warm start (`pretrain`) writes the format on every reply, so a KL
-penalty to it pulls the format back (the same policy with `init_kl_coef: 0.01`: valid replies 17% -> 95% in 15
-steps). A fixed penalty also pulls every action towards the warm start's uniformly random ones for the whole run;
-this one costs nothing while the replies parse.
+policy further (measured on the main job, from a checkpoint whose closing tag was broken by hand: valid replies
+0-0.3% for nine steps, entropy 0.01 -> 0.78). The warm start (`pretrain`) writes the format on every reply, so a KL
+penalty to it pulls the format back (the same checkpoint with this anchor at 0.5: valid replies 0% at the first
+anchored step, 48% ten steps later, 97% at step 30, greedy held-out 0.70; docs/learning.md). A fixed penalty would
+also pull every action towards the warm start's uniformly random ones for the whole run; this one costs nothing
+while the replies parse.
 """
 
 from __future__ import annotations
