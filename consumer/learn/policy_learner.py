@@ -450,10 +450,12 @@ def run_shard(strategy: TrainStrategy, shard: Shard, settings: UpdateSettings,
     Returns metrics over all ranks' tokens."""
     start = time.monotonic()
     tokens = shard.tokens
-    # Old and reference logprobs come from the weights as they are before this step's first update.
+    # Old and reference logprobs come from the weights as they are before this step's first update. The reference
+    # forward only on a step with a KL term: under the format anchor that is a rare step, and the forward over the
+    # whole batch was a quarter of every step's train time (the reference is whole on every rank: no collective).
     if settings.old_logprobs == "recompute":
         tokens.old_logprobs = frozen_logprobs(strategy.forward, shard, strategy.device, pad=True)
-    if reference is not None:
+    if reference is not None and settings.kl_coef > 0:
         tokens.ref_logprobs = frozen_logprobs(reference, shard, strategy.device)
     logprobs_done = time.monotonic()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -145,12 +146,21 @@ def test_the_format_anchor_engages_only_on_a_batch_whose_replies_fail_to_parse(
         tmp_path: Path, tiny_model: Path, groups: list[list[Trajectory]]) -> None:
     """kl_anchor_valid_rate: a batch whose replies parse trains exactly as without the anchor (no KL term); a
     batch of unparsed replies that all scored alike (no advantage left: a policy that lost its format) gets the KL
-    penalty to the warm start, the only gradient such a batch has, so the weights then differ."""
+    penalty to the warm start, the only gradient such a batch has, so the weights then differ. The reference model
+    runs only on the step with the KL term."""
     anchored = torch_learner(tmp_path / "a", tiny_model, "kl_anchor_valid_rate=0.5", "kl_anchor_coef=0.05")
     plain = torch_learner(tmp_path / "b", tiny_model)
     assert anchored.reference is not None and plain.reference is None
+    reference, reference_forwards = anchored.reference, []
+
+    def counted_reference(*args: Any) -> torch.Tensor:
+        reference_forwards.append(args)
+        return reference(*args)
+
+    anchored.reference = counted_reference
     parsed = [anchored.train_step(make_batch(groups)), plain.train_step(make_batch(groups))]
     assert [m["actor/kl_coef"] for m in parsed] == [0.0, 0.0]
+    assert reference_forwards == []
     same = params(anchored)
     for name, value in params(plain).items():
         torch.testing.assert_close(same[name], value, rtol=0, atol=0)
@@ -159,6 +169,7 @@ def test_the_format_anchor_engages_only_on_a_batch_whose_replies_fail_to_parse(
                                           for u in t.turns]) for t in group] for group in groups]
     broken = [anchored.train_step(make_batch(failed, 1)), plain.train_step(make_batch(failed, 1))]
     assert [m["actor/kl_coef"] for m in broken] == [0.05, 0.0]
+    assert reference_forwards
     assert broken[0]["adv/std"] == broken[1]["adv/std"] == 0.0
     assert broken[0]["loss/kl"] > 0  # the first step moved the policy away from the warm start
     pulled = params(anchored)
