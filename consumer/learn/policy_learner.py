@@ -451,8 +451,9 @@ def run_shard(strategy: TrainStrategy, shard: Shard, settings: UpdateSettings,
     start = time.monotonic()
     tokens = shard.tokens
     # Old and reference logprobs come from the weights as they are before this step's first update. The reference
-    # forward only on a step with a KL term: under the format anchor that is a rare step, and the forward over the
-    # whole batch was a quarter of every step's train time (the reference is whole on every rank: no collective).
+    # runs only on a step with a KL term: under the format anchor such a step is rare, and its forward over the
+    # whole batch took a quarter of the main job's train time. It is whole on every rank, so skipping needs no
+    # collective.
     if settings.old_logprobs == "recompute":
         tokens.old_logprobs = frozen_logprobs(strategy.forward, shard, strategy.device, pad=True)
     if reference is not None and settings.kl_coef > 0:
