@@ -113,9 +113,14 @@ class UpdateSettings:
     sampled from (see the module docstring)."""
 
     @property
+    def has_kl_term(self) -> bool:
+        """The loss has a KL penalty to the reference, so the step needs the reference's logprobs."""
+        return self.kl_coef > 0
+
+    @property
     def zero_advantage_rows_have_no_gradient(self) -> bool:
         """A KL penalty or an entropy bonus gives every row a gradient, whatever its advantage."""
-        return self.kl_coef == 0 and self.entropy_coef == 0
+        return not self.has_kl_term and self.entropy_coef == 0
 
     def __post_init__(self) -> None:
         if self.old_logprobs not in OLD_LOGPROB_SOURCES:
@@ -325,7 +330,7 @@ def microbatch_loss(forward: Forward, part: TokenBatch, settings: UpdateSettings
             "approx_kl": masked_sum(approx_kl(logprobs.detach(), old), mask)}
     if weights is not None:
         sums["is_weight"] = masked_sum(weights, mask)
-    if settings.kl_coef > 0:
+    if settings.has_kl_term:
         assert part.ref_logprobs is not None
         kl = masked_sum(kl_k3(logprobs, part.ref_logprobs), mask)
         loss = loss + settings.kl_coef * kl / normalizer
@@ -456,7 +461,7 @@ def run_shard(strategy: TrainStrategy, shard: Shard, settings: UpdateSettings,
     # collective.
     if settings.old_logprobs == "recompute":
         tokens.old_logprobs = frozen_logprobs(strategy.forward, shard, strategy.device, pad=True)
-    if reference is not None and settings.kl_coef > 0:
+    if reference is not None and settings.has_kl_term:
         tokens.ref_logprobs = frozen_logprobs(reference, shard, strategy.device)
     logprobs_done = time.monotonic()
 
