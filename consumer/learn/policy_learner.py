@@ -118,9 +118,14 @@ class UpdateSettings:
         return self.kl_coef > 0
 
     @property
+    def has_entropy_term(self) -> bool:
+        """The loss has an entropy bonus, so the entropy keeps its graph."""
+        return self.entropy_coef != 0
+
+    @property
     def zero_advantage_rows_have_no_gradient(self) -> bool:
         """A KL penalty or an entropy bonus gives every row a gradient, whatever its advantage."""
-        return not self.has_kl_term and self.entropy_coef == 0
+        return not self.has_kl_term and not self.has_entropy_term
 
     def __post_init__(self) -> None:
         if self.old_logprobs not in OLD_LOGPROB_SOURCES:
@@ -336,9 +341,9 @@ def microbatch_loss(forward: Forward, part: TokenBatch, settings: UpdateSettings
         loss = loss + settings.kl_coef * kl / normalizer
         sums["kl"] = kl.detach()
     # The entropy keeps its graph only when it is part of the loss.
-    with torch.set_grad_enabled(settings.entropy_coef != 0 and torch.is_grad_enabled()):
+    with torch.set_grad_enabled(settings.has_entropy_term and torch.is_grad_enabled()):
         entropy = token_entropy(logits).sum()  # the logits are the response positions' only
-    if settings.entropy_coef != 0:
+    if settings.has_entropy_term:
         loss = loss - settings.entropy_coef * entropy / normalizer
     sums["entropy"] = entropy.detach()
     if response.banned_mass is not None:
