@@ -14,7 +14,9 @@ and 15 minutes and at the end, its peak (and when), the lowest value after the p
 then collapsed shows there) and the lowest value after it first reached the goal's 0.6 (a dip between the first
 good round and a later peak shows there), and writes:
 - a table on stdout: min / median / max over runs at each of those times, of the peak and of the lows;
-- `benchmarks/results/learning_runs-<exp>.csv`: one row per run (env, seed, build seconds, the figures above);
+- `benchmarks/results/learning_runs-<exp>.csv`: one row per run (env, seed, build seconds, the figures above, and
+  what tells a dip's kind apart: the lowest share of valid replies in a training batch and in greedy validation,
+  and the largest approximate KL of a step);
 - `benchmarks/results/learning_runs-<exp>.png`: every run's held-out curves on a wall-clock axis, with the
   reference policies on the first seed's held-out maps drawn as dashed lines (computed here, as validation does).
 """
@@ -46,6 +48,10 @@ MINUTES = (5, 10, 15)
 CURVES = {"greedy": "val/success", "sampled": "val_sampled/success"}
 REACHED = 0.6
 """The learning goal's bar (issue 16: every run >= 0.6 within 15 minutes, and never back below 0.5 after)."""
+EXTREMES = {"valid_replies_min": ("rollout/valid_action_rate", min), "greedy_valid_min": ("val/valid_action_rate", min),
+            "approx_kl_max": ("actor/approx_kl", max)}
+"""Per run, what tells a dip's kind apart: the lowest share of valid replies in a training batch and in greedy
+validation (a format wobble), and the largest step, as its approximate KL (a large update)."""
 
 
 @dataclass
@@ -75,6 +81,12 @@ class Run:
         last = self.records[-1] if self.records else None
         return (last is not None and last["minutes"] < minutes
                 and (self.max_steps is None or last["step"] < self.max_steps))
+
+    def extreme(self, name: str) -> float | None:
+        """One of EXTREMES over the whole run (None: the metric was never logged)."""
+        key, pick = EXTREMES[name]
+        values = [r[key] for r in self.records if key in r]
+        return pick(values) if values else None
 
     def peak(self, key: str) -> tuple[float, float] | None:
         """(best value, minutes when first reached) over the run."""
@@ -176,6 +188,7 @@ def write_csv(path: Path, env_name: str, runs: list[Run], marks: Sequence[float]
     columns += [f"{name}_success_{m:g}min" for m in marks for name in CURVES] + [f"{n}_success_end" for n in CURVES]
     columns += [f"{n}_{what}" for n in CURVES for what in ("success_peak", "peak_minutes", "success_after_peak_min",
                                                            f"success_after_{REACHED:g}_min")]
+    columns += list(EXTREMES)
     with path.open("w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(columns)
@@ -185,6 +198,7 @@ def write_csv(path: Path, env_name: str, runs: list[Run], marks: Sequence[float]
             for key in CURVES.values():
                 peak = r.peak(key)
                 figures += [*(peak or (None, None)), r.low_after_peak(key), r.low_after_reaching(key)]
+            figures += [r.extreme(name) for name in EXTREMES]
             writer.writerow([env_name, r.seed, "" if r.build_s is None else round(r.build_s, 1),
                              int(r.records[-1]["step"]),
                              round(r.records[-1]["minutes"], 2),
@@ -253,6 +267,9 @@ def main() -> None:
     print("| minutes into the run | greedy | sampled |\n|---|---|---|")
     for row in summary_rows(runs, args.minutes):
         print("| " + " | ".join(row) + " |")
+    for name in EXTREMES:
+        values = [r.extreme(name) for r in runs]
+        print(f"{name} per run: {', '.join('-' if v is None else f'{v:.3f}' for v in values)}")
     builds = [r.build_s for r in runs if r.build_s is not None]
     if builds:
         print(f"launch to first metric (model build, engine start, first validation): {min(builds):.0f}-"

@@ -51,3 +51,18 @@ def test_a_run_stopped_before_a_mark_has_no_value_there_one_that_finished_keeps_
 def test_a_seed_given_again_runs_in_its_own_dir() -> None:
     dirs = learning_runs.run_dirs(Path("out"), [42, 7, 42, 42])
     assert [d.name for d in dirs] == ["seed42", "seed7", "seed42-2", "seed42-3"]
+
+
+def test_the_csv_carries_what_tells_a_format_wobble_from_a_large_update(tmp_path) -> None:
+    records = [{"step": 1, "minutes": 1, "rollout/valid_action_rate": 0.99, "actor/approx_kl": 0.01},
+               {"step": 2, "minutes": 2, "rollout/valid_action_rate": 0.5, "actor/approx_kl": 0.5},
+               {"step": 2, "minutes": 2, KEY: 0.4, "val/valid_action_rate": 0.72},
+               {"step": 3, "minutes": 3, "rollout/valid_action_rate": 0.98, "actor/approx_kl": 0.02}]
+    run = learning_runs.Run(1, None, records)
+    assert (run.extreme("valid_replies_min"), run.extreme("greedy_valid_min"), run.extreme("approx_kl_max")) \
+        == (0.5, 0.72, 0.5)
+    path = tmp_path / "runs.csv"
+    learning_runs.write_csv(path, "FrozenLake", [run, _run([(1, 0.3)])], marks=(2,))
+    header, first, second = path.read_text().splitlines()
+    assert dict(zip(header.split(","), first.split(",")))["greedy_valid_min"] == "0.72"
+    assert dict(zip(header.split(","), second.split(",")))["approx_kl_max"] == ""  # never logged: left empty
