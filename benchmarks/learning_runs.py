@@ -46,6 +46,9 @@ RESULTS = REPO / "benchmarks" / "results"
 MINUTES = (5, 10, 15)
 """The default wall-clock marks of the table (`--minutes`: e.g. 10 20 30 for a 30-minute env)."""
 CURVES = {"greedy": "val/success", "sampled": "val_sampled/success"}
+BUILD_RECORD = "learning_runs.json"
+"""Written into a run's output dir when it ends: its build seconds, which its metrics alone cannot give, so that
+`--report-only` reports them too."""
 REACHED = 0.6
 """The learning goal's bar (issue 16: every run >= 0.6 within 15 minutes, and never back below 0.5 after)."""
 EXTREMES = {"valid_replies_min": ("rollout/valid_action_rate", min), "greedy_valid_min": ("val/valid_action_rate", min),
@@ -139,6 +142,7 @@ def run_once(config: Path, seed: int, out: Path, overrides: list[str], stop_minu
     run = load_run(out, seed)
     first = run.records[0]
     run.build_s = first["time"] - 60 * first["minutes"] - launched
+    (out / BUILD_RECORD).write_text(json.dumps({"build_s": run.build_s}))
     return run
 
 
@@ -157,7 +161,9 @@ def trainer_minutes(out: Path) -> float:
 
 def load_run(out: Path, seed: int) -> Run:
     records = [json.loads(line) for line in (out / RECORD).read_text().splitlines() if line.strip()]
-    return Run(seed, None, records, label=out.name)
+    build = out / BUILD_RECORD
+    build_s = json.loads(build.read_text())["build_s"] if build.exists() else None  # None: run before it was kept
+    return Run(seed, build_s, records, label=out.name)
 
 
 def references(config: Path, seed: int, overrides: list[str]) -> dict[str, float]:

@@ -1,5 +1,6 @@
 """The learning benchmark's figures of a run: what a table of runs says about the goal."""
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -66,3 +67,13 @@ def test_the_csv_carries_what_tells_a_format_wobble_from_a_large_update(tmp_path
     header, first, second = path.read_text().splitlines()
     assert dict(zip(header.split(","), first.split(",")))["greedy_valid_min"] == "0.72"
     assert dict(zip(header.split(","), second.split(",")))["approx_kl_max"] == ""  # never logged: left empty
+
+
+def test_a_reported_run_keeps_its_build_seconds_where_its_run_recorded_them(tmp_path) -> None:
+    for name, build in (("seed1", {"build_s": 123.4}), ("seed2", None)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text('{"step": 0, "minutes": 0.1, "time": 1.0}\n')
+        if build:
+            (tmp_path / name / learning_runs.BUILD_RECORD).write_text(json.dumps(build))
+    assert learning_runs.load_run(tmp_path / "seed1", 1).build_s == 123.4
+    assert learning_runs.load_run(tmp_path / "seed2", 2).build_s is None
