@@ -88,7 +88,7 @@ class Run:
     def extreme(self, name: str) -> float | None:
         """One of EXTREMES over the whole run (None: the metric was never logged)."""
         key, pick = EXTREMES[name]
-        values = [r[key] for r in self.records if key in r]
+        values = [value for _, value in self.curve(key)]
         return pick(values) if values else None
 
     def peak(self, key: str) -> tuple[float, float] | None:
