@@ -222,11 +222,16 @@ def _engine(args: argparse.Namespace) -> int:
 
 
 def _trainer(args: argparse.Namespace) -> int:
+    from transformers.utils import logging as transformers_logging
+
     from rollstream.consumer.learn.distributed import Follower, LeaderLearner, end_rank, start_rank
     from rollstream.consumer.learn.rank_watch import RankLost
     from rollstream.consumer.learn.strategy import launched_world_size
     from rollstream.consumer.train import run_trainer
 
+    # transformers draws a "Loading weights" bar per model it loads (the policy, the reference) under the run's
+    # own progress bar; the run's bar is the one to watch.
+    transformers_logging.disable_progress_bar()
     cfg = _load(args)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
