@@ -334,20 +334,25 @@ def _torch_threads(threads: int | None) -> Iterator[None]:
 
 @torch.no_grad()
 def format_valid_rate(
-    model_dir: str | Path, prompts: int = 128, *, max_tokens: int = 32, max_turns: int = 3, seed: int = 1
+    model_dir: str | Path, prompts: int = 128, *, max_tokens: int = 32, max_turns: int = 3, seed: int = 1,
+    envs: Sequence[TextEnv] | None = None, think_prob: float = 0.5, bad_words: Sequence[str] = (),
 ) -> float:
-    """Share of sampled replies (temperature 1) that parse as a valid action, at turns 1..max_turns."""
+    """Share of sampled replies (temperature 1) that parse as a valid action, at turns 1..max_turns of random
+    valid conversations in `envs` (default: the corpus's), sampled with `bad_words` banned as the engine bans them."""
     tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    rng, deltas, envs = random.Random(seed), ChatTemplateDeltas(tokenizer), corpus_envs()
-    samples = [random_valid_conversation(rng, envs, deltas, max_turns, 0.5) for _ in range(prompts)]
+    rng, deltas = random.Random(seed), ChatTemplateDeltas(tokenizer)
+    samples = [random_valid_conversation(rng, envs or corpus_envs(), deltas, max_turns, think_prob)
+               for _ in range(prompts)]
     # Cut each conversation just before a random reply: the prompt the policy saw at that turn.
     cut = [c.input_ids[: c.spans[rng.randrange(len(c.spans))][0]] for c, _ in samples]
     width = max(map(len, cut))
     ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(c)) + c for c in cut])
     mask = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in cut])
+    banned = [tokenizer.encode(w, add_special_tokens=False) for w in bad_words] or None
     torch.manual_seed(seed)
-    out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, max_new_tokens=max_tokens, top_k=0)
+    out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, max_new_tokens=max_tokens, top_k=0,
+                         bad_words_ids=banned)
     replies = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
     valid = [parse_action(reply, actions) is not None for reply, (_, actions) in zip(replies, samples)]
     return sum(valid) / len(valid)

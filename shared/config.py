@@ -414,14 +414,18 @@ class RollstreamConfig:
     pg_clip_high: Annotated[float, Field(gt=0.0)] = 0.2
     """Clip range above 1 when use_pg_clip_range is true (DAPO uses 0.28 with a low of 0.2)."""
     init_kl_coef: Annotated[float, Field(ge=0.0)] = 0.0
-    """k3 KL penalty to the initial weights (pretrain); 0 (and no kl_anchor_valid_rate) loads no reference model."""
+    """k3 KL penalty to the initial weights (pretrain); 0 (and no format anchor) loads no reference model."""
     kl_anchor_valid_rate: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     """Format anchor: a step whose batch has fewer valid replies than this share (rollout/valid_action_rate) gets
     the KL penalty to pretrain at kl_anchor_coef (or init_kl_coef, if larger), so a policy that lost its reply
     format, where every group fails alike and no advantage is left, is pulled back to the warm start's format.
     Unset: off."""
     kl_anchor_coef: Annotated[float, Field(gt=0.0)] = 0.01
-    """The KL coefficient of a step under kl_anchor_valid_rate."""
+    """The KL coefficient of a step under kl_anchor_valid_rate, and of kl_anchor_unparsed_replies."""
+    kl_anchor_unparsed_replies: bool = False
+    """Format anchor on the broken replies alone: on every step, the KL penalty to pretrain at kl_anchor_coef on
+    the tokens of each reply that did not parse, and on no other token, so it engages from the first broken reply
+    and never pulls a valid reply's action towards the warm start's random ones."""
     whiten_advantages: bool = False
     """Zero mean, unit variance over the batch's response tokens."""
     entropy_loss_coef: Annotated[float, Field(ge=0.0)] = 0.0

@@ -47,7 +47,7 @@ ROLL_KEYS: tuple[RollKey, ...] = (
             "(num_env_groups x group_size episodes)"),
     RollKey("critic", "refused", "no critic: use adv_estimator grpo, reinforce or gigpo and delete the section"),
     RollKey("reference", "mapped", "the KL reference is pretrain's weights, loaded by the trainer when "
-            "init_kl_coef > 0 or kl_anchor_valid_rate is set"),
+            "init_kl_coef > 0 or a format anchor (kl_anchor_valid_rate, kl_anchor_unparsed_replies) is set"),
     RollKey("track_with", "mapped", "metrics go to wandb (wandb_mode: offline writes files under output_dir)"),
     RollKey("tracker_kwargs", "mapped", "wandb_project and wandb_mode configure the tracker"),
     RollKey("checkpoint_config", "mapped", "checkpoints go to output_dir/checkpoints/step_<n>"),

@@ -50,7 +50,7 @@ from rollstream.consumer.data.batcher import Batch
 from rollstream.consumer.learn.advantages import AdvantageSettings, compute_advantages
 from rollstream.consumer.learn.checkpoints import LearnerState, load_learner_state, save_checkpoint, strategy_dir
 from rollstream.consumer.learn.entropy_control import EntropyControl
-from rollstream.consumer.learn.kl_anchor import needs_reference, step_kl_coef
+from rollstream.consumer.learn.kl_anchor import needs_reference, step_kl_coef, unparsed_reply_kl_coef
 from rollstream.consumer.learn.loss import (
     approx_kl,
     ban_logits,
@@ -111,11 +111,19 @@ class UpdateSettings:
     bad_words: tuple[tuple[int, ...], ...] = ()
     """Token ids of the words the engine may not sample (`bad_word_ids`): the loss trains the distribution it
     sampled from (see the module docstring)."""
+    unparsed_kl_coef: float = 0.0
+    """The KL penalty's coefficient on the tokens of replies that did not parse (`kl_anchor_unparsed_replies`)."""
 
     @property
     def has_kl_term(self) -> bool:
-        """The loss has a KL penalty to the reference, so the step needs the reference's logprobs."""
+        """The loss has a KL penalty to the reference on every token, so the step needs the reference's logprobs."""
         return self.kl_coef > 0
+
+    @property
+    def anchors_unparsed(self) -> bool:
+        """Tokens of unparsed replies get a larger KL coefficient than the others: the rows that hold them need
+        the reference's logprobs, and have a gradient whatever their advantage."""
+        return self.unparsed_kl_coef > self.kl_coef
 
     @property
     def has_entropy_term(self) -> bool:
@@ -145,7 +153,7 @@ class UpdateSettings:
         return cls(low, cfg.is_ratio_cap, cfg.old_logprobs, cfg.init_kl_coef, cfg.entropy_loss_coef,
                    cfg.ppo_epochs, minibatch_size(cfg), args.per_device_train_batch_size,
                    args.max_tokens_per_microbatch, cfg.actor_train.infer_batch_size, high, cfg.skip_zero_advantage,
-                   cfg.early_stop_kl, banned)
+                   cfg.early_stop_kl, banned, unparsed_reply_kl_coef(cfg))
 
 
 class PolicyLearner:
@@ -233,12 +241,21 @@ def check_trainable(tokens: TokenBatch, step: int) -> None:
                          "not record logprobs; the importance ratio needs them")
 
 
-def rows_with_gradient(tokens: TokenBatch) -> torch.Tensor:
-    """Which rows have a non-zero advantage on some response token, as a (B,) bool tensor.
+def rows_with_gradient(tokens: TokenBatch, anchors_unparsed: bool = False) -> torch.Tensor:
+    """Which rows have a non-zero advantage on some response token (with `anchors_unparsed`: or hold a reply that
+    did not parse), as a (B,) bool tensor.
 
     The policy-gradient term of every other row is exactly zero (a group whose members all scored the same), so
     without a KL penalty or an entropy bonus its forward and backward passes add nothing to the gradient."""
-    return ((tokens.advantages != 0) & (tokens.response_mask > 0)).any(dim=1)
+    rows = ((tokens.advantages != 0) & (tokens.response_mask > 0)).any(dim=1)
+    return rows | unparsed_rows(tokens) if anchors_unparsed else rows
+
+
+def unparsed_rows(tokens: TokenBatch) -> torch.Tensor:
+    """Which rows hold a reply that did not parse, as a (B,) bool tensor."""
+    if tokens.unparsed_mask is None:
+        return torch.zeros(tokens.num_rows, dtype=torch.bool)
+    return (tokens.unparsed_mask > 0).any(dim=1)
 
 
 def load_reference(cfg: RollstreamConfig, device: torch.device) -> Forward:
@@ -263,12 +280,17 @@ def advantage_stats(tokens: TokenBatch) -> dict[str, float]:
 
 
 @torch.no_grad()
-def frozen_logprobs(forward: Forward, shard: Shard, device: torch.device, pad: bool = False) -> torch.Tensor:
+def frozen_logprobs(forward: Forward, shard: Shard, device: torch.device, pad: bool = False,
+                    only: torch.Tensor | None = None) -> torch.Tensor:
     """Logprobs of every target token of the shard under `forward`, micro-batch by micro-batch, as one (B, T - 1)
-    tensor. With `pad`, idle forwards bring the count up to what every rank runs (ZeRO-3 gathers in forward)."""
+    tensor. With `pad`, idle forwards bring the count up to what every rank runs (ZeRO-3 gathers in forward).
+    With `only` (a (B,) bool mask; not with `pad`), the other rows are not computed and stay 0."""
     tokens = shard.tokens
     out = torch.zeros_like(tokens.response_mask)
     for rows in shard.logprob_microbatches:
+        rows = rows if only is None else rows[only[rows]]
+        if not len(rows):
+            continue
         part = tokens.rows(rows).to(device)
         logprobs = response_logprobs(forward, part).logprobs  # bans change no value, only gradients
         out[rows, : logprobs.shape[1]] = logprobs.float().cpu()
@@ -335,11 +357,12 @@ def microbatch_loss(forward: Forward, part: TokenBatch, settings: UpdateSettings
             "approx_kl": masked_sum(approx_kl(logprobs.detach(), old), mask)}
     if weights is not None:
         sums["is_weight"] = masked_sum(weights, mask)
-    if settings.has_kl_term:
+    coefs = kl_coefs(settings, part)
+    if coefs is not None:
         assert part.ref_logprobs is not None
-        kl = masked_sum(kl_k3(logprobs, part.ref_logprobs), mask)
-        loss = loss + settings.kl_coef * kl / normalizer
-        sums["kl"] = kl.detach()
+        kl = kl_k3(logprobs, part.ref_logprobs)
+        loss = loss + masked_sum(kl, coefs) / normalizer
+        sums["kl"] = masked_sum(kl, (coefs > 0).float()).detach()  # over the tokens the penalty is on
     # The entropy keeps its graph only when it is part of the loss.
     with torch.set_grad_enabled(settings.has_entropy_term and torch.is_grad_enabled()):
         entropy = token_entropy(logits).sum()  # the logits are the response positions' only
@@ -350,6 +373,15 @@ def microbatch_loss(forward: Forward, part: TokenBatch, settings: UpdateSettings
         sums["banned_mass"] = response.banned_mass.sum()
     sums["ratio_max"] = (pg.ratio * mask).max()
     return loss, sums
+
+
+def kl_coefs(settings: UpdateSettings, part: TokenBatch) -> torch.Tensor | None:
+    """Each target token's KL coefficient, (B, T - 1): the step's on every response token, raised on the tokens of
+    unparsed replies under `anchors_unparsed`; None when no token of `part` has one."""
+    coefs = settings.kl_coef * part.response_mask
+    if settings.anchors_unparsed and part.unparsed_mask is not None:
+        coefs = torch.maximum(coefs, settings.unparsed_kl_coef * part.unparsed_mask)
+    return coefs if bool((coefs > 0).any()) else None
 
 
 TALLY_KEYS = frozenset({"pg", "clip", "truncated", "ratio", "approx_kl", "is_weight", "kl", "entropy", "banned_mass",
@@ -451,7 +483,7 @@ def plan_update(tokens: TokenBatch, settings: UpdateSettings, generator: torch.G
     return plan_shards(tokens, world_size, epochs=settings.ppo_epochs, minibatch_size=settings.minibatch_size,
                        generator=generator, max_tokens=settings.max_tokens_per_microbatch,
                        max_rows=settings.microbatch_rows, logprob_rows=settings.logprob_rows,
-                       trained=rows_with_gradient(tokens) if skip else None)
+                       trained=rows_with_gradient(tokens, settings.anchors_unparsed) if skip else None)
 
 
 def run_shard(strategy: TrainStrategy, shard: Shard, settings: UpdateSettings,
@@ -468,6 +500,8 @@ def run_shard(strategy: TrainStrategy, shard: Shard, settings: UpdateSettings,
         tokens.old_logprobs = frozen_logprobs(strategy.forward, shard, strategy.device, pad=True)
     if reference is not None and settings.has_kl_term:
         tokens.ref_logprobs = frozen_logprobs(reference, shard, strategy.device)
+    elif reference is not None and settings.anchors_unparsed and bool(unparsed_rows(tokens).any()):
+        tokens.ref_logprobs = frozen_logprobs(reference, shard, strategy.device, only=unparsed_rows(tokens))
     logprobs_done = time.monotonic()
 
     tally = Tally()

@@ -34,7 +34,10 @@ class TokenBatch:
     old_logprobs: torch.Tensor | None = None
     """(B, T - 1): the trainer's own logprobs before the step's first update (old_logprobs: recompute)."""
     ref_logprobs: torch.Tensor | None = None
-    """(B, T - 1): the reference model's logprobs (only with a KL penalty)."""
+    """(B, T - 1): the reference model's logprobs (only with a KL penalty; under an anchor on unparsed replies
+    alone, only rows that hold one are computed)."""
+    unparsed_mask: torch.Tensor | None = None
+    """(B, T - 1) float32, 1 on the generated tokens of replies that did not parse as an action."""
 
     @property
     def num_rows(self) -> int:
@@ -103,6 +106,7 @@ def build_token_batch(
     response = np.zeros((rows, width), np.float32)
     behaviour = np.zeros((rows, width), np.float32)
     token_adv = np.zeros((rows, width), np.float64)
+    unparsed = np.zeros((rows, width), np.float32)
     for i, (traj, adv) in enumerate(zip(trajs, advantages)):
         n = traj.num_tokens
         input_ids[i, :n] = torch.from_numpy(traj.input_ids.astype(np.int64))
@@ -110,8 +114,12 @@ def build_token_batch(
         response[i, :n] = traj.response_mask
         behaviour[i, :n] = traj.logprobs
         token_adv[i, :n] = token_advantages(traj, adv)
+        for turn in traj.turns:
+            if not turn.action_is_valid:
+                start, end = turn.response_span
+                unparsed[i, start:end] = traj.response_mask[start:end]
     # Shift to targets: the first token of a trajectory has no logits predicting it.
-    response, behaviour, token_adv = response[:, 1:], behaviour[:, 1:], token_adv[:, 1:]
+    response, behaviour, token_adv, unparsed = response[:, 1:], behaviour[:, 1:], token_adv[:, 1:], unparsed[:, 1:]
     on = response > 0
     token_adv[on] = finalize(token_adv[on], whiten_values=whiten, clip=clip)
     token_adv[~on] = 0.0
@@ -121,6 +129,7 @@ def build_token_batch(
         response_mask=torch.from_numpy(response),
         behaviour_logprobs=torch.from_numpy(behaviour * response),
         advantages=torch.from_numpy(token_adv.astype(np.float32)),
+        unparsed_mask=torch.from_numpy(unparsed),
     )
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rollstream.consumer.learn.kl_anchor import needs_reference, step_kl_coef
+from rollstream.consumer.learn.kl_anchor import needs_reference, step_kl_coef, unparsed_reply_kl_coef
 from rollstream.shared.config import RollstreamConfig
 
 
@@ -22,3 +22,9 @@ def test_the_reference_is_loaded_for_a_fixed_penalty_or_an_anchor() -> None:
     assert not needs_reference(RollstreamConfig())
     assert needs_reference(RollstreamConfig(init_kl_coef=0.1))
     assert needs_reference(RollstreamConfig(kl_anchor_valid_rate=0.5))
+    assert needs_reference(RollstreamConfig(kl_anchor_unparsed_replies=True))
+
+
+def test_the_anchor_on_unparsed_replies_has_the_anchor_coefficient() -> None:
+    assert unparsed_reply_kl_coef(RollstreamConfig(kl_anchor_coef=0.02)) == 0.0
+    assert unparsed_reply_kl_coef(RollstreamConfig(kl_anchor_unparsed_replies=True, kl_anchor_coef=0.02)) == 0.02

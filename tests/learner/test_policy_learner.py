@@ -178,6 +178,41 @@ def test_the_format_anchor_engages_only_on_a_batch_whose_replies_fail_to_parse(
     plain.close()
 
 
+def test_the_anchor_on_unparsed_replies_pulls_their_rows_alone(
+        tmp_path: Path, tiny_model: Path, groups: list[list[Trajectory]]) -> None:
+    """kl_anchor_unparsed_replies: a batch whose replies all parse trains exactly as without the anchor, with no
+    reference forward; in a batch where one reply of a group that scored alike (no advantage) did not parse, the
+    reference runs on that reply's row alone, the KL term is on its tokens alone, and that row, skipped without
+    the anchor, now moves the weights."""
+    anchored = torch_learner(tmp_path / "a", tiny_model, "kl_anchor_unparsed_replies=true", "kl_anchor_coef=0.05")
+    plain = torch_learner(tmp_path / "b", tiny_model)
+    assert anchored.reference is not None
+    reference, reference_rows = anchored.reference, []
+
+    def counted_reference(*args: Any) -> torch.Tensor:
+        reference_rows.append(int(args[0].shape[0]))
+        return reference(*args)
+
+    anchored.reference = counted_reference
+    parsed = [anchored.train_step(make_batch(groups)), plain.train_step(make_batch(groups))]
+    assert reference_rows == [] and [m["loss/kl"] for m in parsed] == [0.0, 0.0]
+    same = params(anchored)
+    for name, value in params(plain).items():
+        torch.testing.assert_close(same[name], value, rtol=0, atol=0)
+    alike = [dataclasses.replace(t, score=0.0, turns=[dataclasses.replace(u, reward=0.0) for u in t.turns])
+             for t in groups[0]]
+    broken = dataclasses.replace(alike[0], turns=[dataclasses.replace(u, action=None, action_is_valid=False)
+                                                  for u in alike[0].turns])
+    batch = [[broken, *alike[1:]], alike]
+    pulled, kept = anchored.train_step(make_batch(batch, 1)), plain.train_step(make_batch(batch, 1))
+    assert reference_rows == [1]  # the broken reply's row, in one forward
+    assert pulled["actor/kl_coef"] == kept["actor/kl_coef"] == 0.0  # no step-wide penalty
+    assert pulled["loss/kl"] > 0 and kept["loss/kl"] == 0.0
+    assert kept["actor/grad_norm"] == 0.0 < pulled["actor/grad_norm"]  # no advantage anywhere: only the pull
+    anchored.close()
+    plain.close()
+
+
 def test_gigpo_recompute_kl_and_entropy_together(tmp_path: Path, tiny_model: Path, sampler: TinySampler) -> None:
     """Two-turn episodes with per-turn GiGPO advantages, recomputed old logprobs, a KL penalty and an entropy
     bonus, two PPO epochs of two mini-batches each."""

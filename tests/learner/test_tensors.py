@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch
 
@@ -44,6 +46,16 @@ def test_token_batch_is_aligned_on_targets_and_padded() -> None:
     # Selecting rows trims the padding to the longest selected row.
     only_short = tb.rows([1])
     assert only_short.input_ids.shape == (1, 3) and only_short.advantages.shape == (1, 2)
+
+
+def test_the_tokens_of_an_unparsed_reply_are_marked() -> None:
+    t = two_turns()
+    t.turns[1] = dataclasses.replace(t.turns[1], action_is_valid=False)  # the second reply (tokens 5-6) broke
+    tb = build_token_batch([t, two_turns()], [0.0, 0.0])
+    assert tb.unparsed_mask is not None
+    np.testing.assert_array_equal(tb.unparsed_mask[0], [0, 0, 0, 0, 1, 1])  # targets 4, 5: tokens 5, 6
+    np.testing.assert_array_equal(tb.unparsed_mask[1], [0] * 6)
+    np.testing.assert_array_equal(tb.rows([0]).unparsed_mask, tb.unparsed_mask[:1])
 
 
 def test_whitening_and_clipping_apply_to_response_tokens_only() -> None:
