@@ -423,9 +423,10 @@ class RollstreamConfig:
     kl_anchor_coef: Annotated[float, Field(gt=0.0)] = 0.01
     """The KL coefficient of a step under kl_anchor_valid_rate, and of kl_anchor_unparsed_replies."""
     kl_anchor_unparsed_replies: bool = False
-    """Format anchor on the broken replies alone: on every step, the KL penalty to pretrain at kl_anchor_coef on
-    the tokens of each reply that did not parse, and on no other token, so it engages from the first broken reply
-    and never pulls a valid reply's action towards the warm start's random ones."""
+    """Format anchor on the broken replies alone: on every step, KL(pretrain || policy) over the whole vocabulary
+    at kl_anchor_coef at the positions of each reply that did not parse, and at no other, so it engages from the
+    first broken reply, moves a broken token however sure the policy is of it (a penalty on the sampled token's
+    logprob cannot), and never pulls a valid reply's action towards the warm start's random ones."""
     whiten_advantages: bool = False
     """Zero mean, unit variance over the batch's response tokens."""
     entropy_loss_coef: Annotated[float, Field(ge=0.0)] = 0.0

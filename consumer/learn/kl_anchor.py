@@ -10,11 +10,12 @@ anchored step, 48% ten steps later, 97% at step 30, greedy held-out 0.70; docs/l
 also pull every action towards the warm start's uniformly random ones for the whole run; this one costs nothing
 while the replies parse.
 
-The gate by the batch's share lets a partial loss run: on a slow machine the share of valid replies sat at
-0.50-0.89 for 22 steps, greedy held-out success falling to 0.45 with it, and the anchor at 0.5 engaged on one step,
-where it pulled every token, the learned actions included (docs/learning.md). `kl_anchor_unparsed_replies` puts
-the same penalty on the tokens of the replies that did not parse instead, on every step: from the first broken
-reply, in proportion to how many there are, and never on a valid reply.
+The gate by the batch's share lets a partial loss run: in a run on a slow machine one reply in seven was an empty
+answer (`<answer></answer>`) from step 37 to the end, the gate at 0.5 never engaged, and neither the policy
+gradient nor a k3 penalty on those replies' tokens moved them: the policy wrote the closing tag there at p = 0.996,
+and a loss on a sampled token reaches the logits scaled by 1 - p (docs/learning.md). `kl_anchor_unparsed_replies`
+pulls the positions of the replies that did not parse, and no other, with KL(pretrain || policy) over the whole
+vocabulary (`loss.forward_kl`), whose gradient is policy - pretrain however sure the policy is.
 """
 
 from __future__ import annotations

@@ -49,6 +49,17 @@ def token_entropy(logits: torch.Tensor) -> torch.Tensor:
     return -(logp.exp() * logp).sum(dim=-1)
 
 
+def forward_kl(logits: torch.Tensor, ref_logits: torch.Tensor) -> torch.Tensor:
+    """KL(reference || policy) of each next-token distribution, over the whole vocabulary, as (...).
+
+    Its gradient on the policy's logits is policy - reference, so it moves a token the policy is sure of and the
+    reference rejects. A penalty on the sampled token's logprob (k3, the policy gradient) cannot: through the
+    softmax its gradient is scaled by 1 - p, which vanishes as the policy saturates on that token."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    ref = torch.log_softmax(ref_logits.float(), dim=-1)
+    return torch.nn.functional.kl_div(logp, ref, log_target=True, reduction="none").sum(dim=-1)
+
+
 def reply_offsets(response_mask: torch.Tensor) -> torch.Tensor:
     """Each response token's index within its reply (a run of response tokens in a row), as (N,) in the order of
     `response_targets`."""

@@ -55,6 +55,7 @@ from rollstream.consumer.learn.loss import (
     approx_kl,
     ban_logits,
     banned_sites,
+    forward_kl,
     kl_k3,
     masked_sum,
     ppo_policy_loss,
@@ -112,18 +113,19 @@ class UpdateSettings:
     """Token ids of the words the engine may not sample (`bad_word_ids`): the loss trains the distribution it
     sampled from (see the module docstring)."""
     unparsed_kl_coef: float = 0.0
-    """The KL penalty's coefficient on the tokens of replies that did not parse (`kl_anchor_unparsed_replies`)."""
+    """Coefficient of KL(reference || policy) at the positions of replies that did not parse
+    (`kl_anchor_unparsed_replies`)."""
 
     @property
     def has_kl_term(self) -> bool:
-        """The loss has a KL penalty to the reference on every token, so the step needs the reference's logprobs."""
+        """The loss has a KL penalty to the reference, so the step needs the reference's logprobs."""
         return self.kl_coef > 0
 
     @property
     def anchors_unparsed(self) -> bool:
-        """Tokens of unparsed replies get a larger KL coefficient than the others: the rows that hold them need
-        the reference's logprobs, and have a gradient whatever their advantage."""
-        return self.unparsed_kl_coef > self.kl_coef
+        """The loss pulls the positions of unparsed replies to the reference (`unparsed_drift`): the rows that hold
+        them have a gradient whatever their advantage."""
+        return self.unparsed_kl_coef > 0
 
     @property
     def has_entropy_term(self) -> bool:
@@ -280,17 +282,12 @@ def advantage_stats(tokens: TokenBatch) -> dict[str, float]:
 
 
 @torch.no_grad()
-def frozen_logprobs(forward: Forward, shard: Shard, device: torch.device, pad: bool = False,
-                    only: torch.Tensor | None = None) -> torch.Tensor:
+def frozen_logprobs(forward: Forward, shard: Shard, device: torch.device, pad: bool = False) -> torch.Tensor:
     """Logprobs of every target token of the shard under `forward`, micro-batch by micro-batch, as one (B, T - 1)
-    tensor. With `pad`, idle forwards bring the count up to what every rank runs (ZeRO-3 gathers in forward).
-    With `only` (a (B,) bool mask; not with `pad`), the other rows are not computed and stay 0."""
+    tensor. With `pad`, idle forwards bring the count up to what every rank runs (ZeRO-3 gathers in forward)."""
     tokens = shard.tokens
     out = torch.zeros_like(tokens.response_mask)
     for rows in shard.logprob_microbatches:
-        rows = rows if only is None else rows[only[rows]]
-        if not len(rows):
-            continue
         part = tokens.rows(rows).to(device)
         logprobs = response_logprobs(forward, part).logprobs  # bans change no value, only gradients
         out[rows, : logprobs.shape[1]] = logprobs.float().cpu()
@@ -335,9 +332,10 @@ def response_logprobs(forward: Forward, part: TokenBatch, bad_words: tuple[tuple
     return ResponseLogprobs(banned, scatter_response(logprobs, part.response_mask), -torch.expm1(log_unbanned_share))
 
 
-def microbatch_loss(forward: Forward, part: TokenBatch, settings: UpdateSettings,
-                    normalizer: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The loss of one micro-batch, scaled so that summing over a mini-batch gives token means; and sums for metrics."""
+def microbatch_loss(forward: Forward, part: TokenBatch, settings: UpdateSettings, normalizer: float,
+                    reference: Forward | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The loss of one micro-batch, scaled so that summing over a mini-batch gives token means; and sums for metrics.
+    `reference` runs here only for the anchor on unparsed replies (the KL penalty's logprobs come precomputed)."""
     mask = part.response_mask
     response = response_logprobs(forward, part, settings.bad_words)
     logits, logprobs = response.logits, response.logprobs
@@ -357,12 +355,16 @@ def microbatch_loss(forward: Forward, part: TokenBatch, settings: UpdateSettings
             "approx_kl": masked_sum(approx_kl(logprobs.detach(), old), mask)}
     if weights is not None:
         sums["is_weight"] = masked_sum(weights, mask)
-    coefs = kl_coefs(settings, part)
-    if coefs is not None:
+    if settings.has_kl_term:
         assert part.ref_logprobs is not None
-        kl = kl_k3(logprobs, part.ref_logprobs)
-        loss = loss + masked_sum(kl, coefs) / normalizer
-        sums["kl"] = masked_sum(kl, (coefs > 0).float()).detach()  # over the tokens the penalty is on
+        kl = masked_sum(kl_k3(logprobs, part.ref_logprobs), mask)
+        loss = loss + settings.kl_coef * kl / normalizer
+        sums["kl"] = kl.detach()
+    if settings.anchors_unparsed and reference is not None:
+        drift = unparsed_drift(logits, part, reference)
+        if drift is not None:
+            loss = loss + settings.unparsed_kl_coef * drift / normalizer
+            sums["unparsed_kl"] = drift.detach()
     # The entropy keeps its graph only when it is part of the loss.
     with torch.set_grad_enabled(settings.has_entropy_term and torch.is_grad_enabled()):
         entropy = token_entropy(logits).sum()  # the logits are the response positions' only
@@ -375,17 +377,29 @@ def microbatch_loss(forward: Forward, part: TokenBatch, settings: UpdateSettings
     return loss, sums
 
 
-def kl_coefs(settings: UpdateSettings, part: TokenBatch) -> torch.Tensor | None:
-    """Each target token's KL coefficient, (B, T - 1): the step's on every response token, raised on the tokens of
-    unparsed replies under `anchors_unparsed`; None when no token of `part` has one."""
-    coefs = settings.kl_coef * part.response_mask
-    if settings.anchors_unparsed and part.unparsed_mask is not None:
-        coefs = torch.maximum(coefs, settings.unparsed_kl_coef * part.unparsed_mask)
-    return coefs if bool((coefs > 0).any()) else None
+def unparsed_drift(logits: torch.Tensor, part: TokenBatch, reference: Forward) -> torch.Tensor | None:
+    """The summed KL(reference || policy) over the positions of `part`'s replies that did not parse (`logits`: the
+    policy's response logits, banned sites at the lowest float); None when every reply parsed. The reference runs on
+    the rows that hold such a reply only, and its banned sites are banned as the policy's: both distributions are
+    over what the engine samples from."""
+    if part.unparsed_mask is None:
+        return None
+    response = part.response_mask > 0
+    rows = (part.unparsed_mask > 0).any(dim=1)
+    if not bool(rows.any()):
+        return None
+    held = part.rows(rows.nonzero().squeeze(1))
+    with torch.no_grad():
+        ref_logits = reference(held.input_ids, held.attention_mask, response_positions(held.response_mask)).float()
+    # The policy's logits rows (one per response position, row-major) of those rows, in the reference's order
+    policy = logits[(response & rows[:, None])[response]]
+    ref_logits = torch.where(policy == torch.finfo(policy.dtype).min, policy.detach(), ref_logits)
+    anchored = held.unparsed_mask[held.response_mask > 0] > 0
+    return forward_kl(policy[anchored], ref_logits[anchored]).sum()
 
 
-TALLY_KEYS = frozenset({"pg", "clip", "truncated", "ratio", "approx_kl", "is_weight", "kl", "entropy", "banned_mass",
-                        "tokens"})
+TALLY_KEYS = frozenset({"pg", "clip", "truncated", "ratio", "approx_kl", "is_weight", "kl", "unparsed_kl", "entropy",
+                        "banned_mass", "tokens"})
 """Every sum a Tally may hold; ranks reduce them in this (sorted) order, whichever they saw."""
 
 
@@ -439,6 +453,7 @@ class Tally:
         out = {
             "loss/pg": self.sums["pg"] / n,
             "loss/kl": self.sums["kl"] / n,
+            "loss/unparsed_kl": self.sums["unparsed_kl"] / n,
             "loss/entropy": self.sums["entropy"] / n,
             "actor/clip_frac": self.sums["clip"] / n,
             "actor/truncated_frac": self.sums["truncated"] / n,
@@ -500,8 +515,6 @@ def run_shard(strategy: TrainStrategy, shard: Shard, settings: UpdateSettings,
         tokens.old_logprobs = frozen_logprobs(strategy.forward, shard, strategy.device, pad=True)
     if reference is not None and settings.has_kl_term:
         tokens.ref_logprobs = frozen_logprobs(reference, shard, strategy.device)
-    elif reference is not None and settings.anchors_unparsed and bool(unparsed_rows(tokens).any()):
-        tokens.ref_logprobs = frozen_logprobs(reference, shard, strategy.device, only=unparsed_rows(tokens))
     logprobs_done = time.monotonic()
 
     tally = Tally()
@@ -510,7 +523,7 @@ def run_shard(strategy: TrainStrategy, shard: Shard, settings: UpdateSettings,
         # Every micro-batch's loss is divided by the mini-batch's token count: accumulated, a token mean.
         for rows in step.microbatches:
             part = tokens.rows(rows).to(strategy.device)
-            loss, sums = microbatch_loss(strategy.forward, part, settings, step.normalizer)
+            loss, sums = microbatch_loss(strategy.forward, part, settings, step.normalizer, reference)
             strategy.backward(loss)
             tally.add_microbatch(sums, part)
         for _ in range(step.num_microbatches - len(step.microbatches)):

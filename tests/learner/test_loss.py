@@ -11,6 +11,7 @@ from rollstream.consumer.learn.loss import (
     approx_kl,
     ban_logits,
     banned_sites,
+    forward_kl,
     kl_k3,
     ppo_policy_loss,
     reply_offsets,
@@ -95,6 +96,28 @@ def test_k3_kl() -> None:
     value = kl_k3(torch.tensor([[0.0]]), torch.tensor([[d]]))
     assert float(value) == pytest.approx(2.0 - d - 1.0)
     assert float(approx_kl(torch.tensor([[d]]), torch.tensor([[0.0]]))) == pytest.approx(2.0 - d - 1.0)
+
+
+def test_forward_kl_moves_a_token_the_policy_is_sure_of_where_k3_cannot() -> None:
+    """A policy saturated on a token the reference rejects (an empty answer's closing tag where an action belongs):
+    k3 on the sampled token barely moves the logits (its gradient is scaled by 1 - p), KL(reference || policy) moves
+    them by policy - reference."""
+    ref_logits = torch.tensor([0.0, 0.0, 0.0, -10.0])  # three actions; the closing tag unlikely
+
+    def logits() -> torch.Tensor:
+        return torch.tensor([0.0, 0.0, 0.0, 12.0], requires_grad=True)  # the closing tag at p = 0.99998
+
+    same = torch.log_softmax(ref_logits, -1)
+    assert float(forward_kl(same, same)) == pytest.approx(0.0, abs=1e-6)
+    saturated = logits()
+    kl_k3(torch.log_softmax(saturated, -1)[3], torch.log_softmax(ref_logits, -1)[3]).backward()
+    pulled = logits()
+    value = forward_kl(pulled, ref_logits)
+    value.backward()
+    policy, reference = torch.softmax(pulled.detach(), -1), torch.softmax(ref_logits, -1)
+    assert float(value.detach()) == pytest.approx(float((reference * (reference.log() - policy.log())).sum()), rel=1e-5)
+    torch.testing.assert_close(pulled.grad, policy - reference)
+    assert float(pulled.grad[3]) > 0.99 and float(saturated.grad.abs().max()) < 1e-3
 
 
 def test_token_logprobs_and_entropy() -> None:

@@ -182,7 +182,7 @@ def test_the_anchor_on_unparsed_replies_pulls_their_rows_alone(
         tmp_path: Path, tiny_model: Path, groups: list[list[Trajectory]]) -> None:
     """kl_anchor_unparsed_replies: a batch whose replies all parse trains exactly as without the anchor, with no
     reference forward; in a batch where one reply of a group that scored alike (no advantage) did not parse, the
-    reference runs on that reply's row alone, the KL term is on its tokens alone, and that row, skipped without
+    reference runs on that reply's row alone, the pull is on its positions alone, and that row, skipped without
     the anchor, now moves the weights."""
     anchored = torch_learner(tmp_path / "a", tiny_model, "kl_anchor_unparsed_replies=true", "kl_anchor_coef=0.05")
     plain = torch_learner(tmp_path / "b", tiny_model)
@@ -195,7 +195,7 @@ def test_the_anchor_on_unparsed_replies_pulls_their_rows_alone(
 
     anchored.reference = counted_reference
     parsed = [anchored.train_step(make_batch(groups)), plain.train_step(make_batch(groups))]
-    assert reference_rows == [] and [m["loss/kl"] for m in parsed] == [0.0, 0.0]
+    assert reference_rows == [] and [m["loss/unparsed_kl"] for m in parsed] == [0.0, 0.0]
     same = params(anchored)
     for name, value in params(plain).items():
         torch.testing.assert_close(same[name], value, rtol=0, atol=0)
@@ -207,7 +207,7 @@ def test_the_anchor_on_unparsed_replies_pulls_their_rows_alone(
     pulled, kept = anchored.train_step(make_batch(batch, 1)), plain.train_step(make_batch(batch, 1))
     assert reference_rows == [1]  # the broken reply's row, in one forward
     assert pulled["actor/kl_coef"] == kept["actor/kl_coef"] == 0.0  # no step-wide penalty
-    assert pulled["loss/kl"] > 0 and kept["loss/kl"] == 0.0
+    assert pulled["loss/unparsed_kl"] > 0 and kept["loss/unparsed_kl"] == 0.0
     assert kept["actor/grad_norm"] == 0.0 < pulled["actor/grad_norm"]  # no advantage anywhere: only the pull
     anchored.close()
     plain.close()
