@@ -341,9 +341,8 @@ def format_valid_rate(
     valid conversations in `envs` (default: the corpus's), sampled with `bad_words` banned as the engine bans them."""
     tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    rng, deltas = random.Random(seed), ChatTemplateDeltas(tokenizer)
-    samples = [random_valid_conversation(rng, envs or corpus_envs(), deltas, max_turns, think_prob)
-               for _ in range(prompts)]
+    rng, deltas, envs = random.Random(seed), ChatTemplateDeltas(tokenizer), envs or corpus_envs()
+    samples = [random_valid_conversation(rng, envs, deltas, max_turns, think_prob) for _ in range(prompts)]
     # Cut each conversation just before a random reply: the prompt the policy saw at that turn.
     cut = [c.input_ids[: c.spans[rng.randrange(len(c.spans))][0]] for c, _ in samples]
     width = max(map(len, cut))

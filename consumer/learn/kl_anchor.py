@@ -32,8 +32,8 @@ def step_kl_coef(cfg: RollstreamConfig, valid_rate: float) -> float:
 
 
 def unparsed_reply_kl_coef(cfg: RollstreamConfig) -> float:
-    """The KL coefficient on the tokens of a reply that did not parse: kl_anchor_coef under
-    kl_anchor_unparsed_replies, else 0 (such tokens then get the step's coefficient, as every token does)."""
+    """The coefficient of the pull to pretrain at the positions of a reply that did not parse (KL over the whole
+    vocabulary): kl_anchor_coef under kl_anchor_unparsed_replies, else 0."""
     return cfg.kl_anchor_coef if cfg.kl_anchor_unparsed_replies else 0.0
 
 

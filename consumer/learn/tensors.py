@@ -34,8 +34,7 @@ class TokenBatch:
     old_logprobs: torch.Tensor | None = None
     """(B, T - 1): the trainer's own logprobs before the step's first update (old_logprobs: recompute)."""
     ref_logprobs: torch.Tensor | None = None
-    """(B, T - 1): the reference model's logprobs (only with a KL penalty; under an anchor on unparsed replies
-    alone, only rows that hold one are computed)."""
+    """(B, T - 1): the reference model's logprobs (only with a KL penalty)."""
     unparsed_mask: torch.Tensor | None = None
     """(B, T - 1) float32, 1 on the generated tokens of replies that did not parse as an action."""
 
