@@ -384,17 +384,19 @@ def unparsed_drift(logits: torch.Tensor, part: TokenBatch, reference: Forward) -
     over what the engine samples from."""
     if part.unparsed_mask is None:
         return None
-    response = part.response_mask > 0
-    rows = (part.unparsed_mask > 0).any(dim=1)
+    unparsed = part.unparsed_mask > 0
+    rows = unparsed.any(dim=1)
     if not bool(rows.any()):
         return None
     held = part.rows(rows.nonzero().squeeze(1))
     with torch.no_grad():
         ref_logits = reference(held.input_ids, held.attention_mask, response_positions(held.response_mask)).float()
-    # The policy's logits rows (one per response position, row-major) of those rows, in the reference's order
-    policy = logits[(response & rows[:, None])[response]]
+    # The policy's logits rows (one per response position, row-major) of those rows: the reference's order
+    response = part.response_mask > 0
+    selected = response & rows[:, None]
+    policy = logits[selected[response]]
     ref_logits = torch.where(policy == torch.finfo(policy.dtype).min, policy.detach(), ref_logits)
-    anchored = held.unparsed_mask[held.response_mask > 0] > 0
+    anchored = unparsed[selected]
     return forward_kl(policy[anchored], ref_logits[anchored]).sum()
 
 

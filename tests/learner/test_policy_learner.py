@@ -13,7 +13,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rollstream.consumer.learn.advantages import AdvantageSettings, compute_advantages
 from rollstream.consumer.learn.learner import make_learner
-from rollstream.consumer.learn.policy_learner import PolicyLearner, UpdateSettings, microbatch_loss
+from rollstream.consumer.learn.loss import forward_kl, response_positions
+from rollstream.consumer.learn.policy_learner import PolicyLearner, UpdateSettings, microbatch_loss, unparsed_drift
 from rollstream.consumer.learn.tensors import build_token_batch
 from rollstream.shared.bad_words import bad_word_ids
 from rollstream.shared.config import ConfigError
@@ -26,6 +27,7 @@ from .helpers import (
     even_first_token,
     learner_config,
     make_batch,
+    make_trajectory,
     sample_single_turn_groups,
     sample_two_turn_group,
 )
@@ -211,6 +213,34 @@ def test_the_anchor_on_unparsed_replies_pulls_their_rows_alone(
     assert kept["actor/grad_norm"] == 0.0 < pulled["actor/grad_norm"]  # no advantage anywhere: only the pull
     anchored.close()
     plain.close()
+
+
+def test_unparsed_drift_is_the_kl_at_the_broken_replies_positions_only() -> None:
+    """The pull's value, against KL(reference || policy) computed by hand at the positions of the one reply that did
+    not parse (the second reply of the second row: tokens 5 and 6, predicted at positions 4 and 5)."""
+    tables = [torch.randn(32, 32, generator=torch.Generator().manual_seed(seed)) for seed in (0, 1)]
+
+    def model(table: torch.Tensor) -> Any:
+        # logits that depend on the token and its position, so a misaligned row or position shows
+        def forward(ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+            full = table[ids] + 0.1 * torch.arange(ids.shape[1])[None, :, None]
+            return full if positions is None else full[positions]
+        return forward
+
+    def trajectory(member: int, second_parses: bool) -> Trajectory:
+        traj = make_trajectory(0, member, [10, 11, 12, 13, 14, 15, 16], [(2, 4), (5, 7)], {}, [("a", 0.0), ("b", 0.0)])
+        traj.turns[1] = dataclasses.replace(traj.turns[1], action_is_valid=second_parses)
+        return traj
+
+    tokens = build_token_batch([trajectory(0, True), trajectory(1, False)], [0.0, 0.0])
+    policy, reference = model(tables[0]), model(tables[1])
+    logits = policy(tokens.input_ids, tokens.attention_mask, response_positions(tokens.response_mask))
+    drift = unparsed_drift(logits, tokens, reference)
+    assert drift is not None
+    row = tokens.input_ids[1:]
+    expected = forward_kl(policy(row, row, None)[0, 4:6], reference(row, row, None)[0, 4:6]).sum()
+    torch.testing.assert_close(drift, expected)
+    assert unparsed_drift(logits, build_token_batch([trajectory(0, True)] * 2, [0.0, 0.0]), reference) is None
 
 
 def test_gigpo_recompute_kl_and_entropy_together(tmp_path: Path, tiny_model: Path, sampler: TinySampler) -> None:
