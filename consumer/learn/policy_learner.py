@@ -382,11 +382,8 @@ def unparsed_drift(logits: torch.Tensor, part: TokenBatch, reference: Forward) -
     policy's response logits, banned sites at the lowest float); None when every reply parsed. The reference runs on
     the rows that hold such a reply only, and its banned sites are banned as the policy's: both distributions are
     over what the engine samples from."""
-    if part.unparsed_mask is None:
-        return None
-    unparsed = part.unparsed_mask > 0
-    rows = unparsed.any(dim=1)
-    if not bool(rows.any()):
+    rows = unparsed_rows(part)
+    if part.unparsed_mask is None or not bool(rows.any()):
         return None
     held = part.rows(rows.nonzero().squeeze(1))
     with torch.no_grad():
@@ -396,7 +393,7 @@ def unparsed_drift(logits: torch.Tensor, part: TokenBatch, reference: Forward) -
     selected = response & rows[:, None]
     policy = logits[selected[response]]
     ref_logits = torch.where(policy == torch.finfo(policy.dtype).min, policy.detach(), ref_logits)
-    anchored = unparsed[selected]
+    anchored = (part.unparsed_mask > 0)[selected]
     return forward_kl(policy[anchored], ref_logits[anchored]).sum()
 
 
