@@ -77,3 +77,19 @@ def test_a_reported_run_keeps_its_build_seconds_where_its_run_recorded_them(tmp_
             (tmp_path / name / learning_runs.BUILD_RECORD).write_text(json.dumps(build))
     assert learning_runs.load_run(tmp_path / "seed1", 1).build_s == 123.4
     assert learning_runs.load_run(tmp_path / "seed2", 2).build_s is None
+
+
+def test_the_record_reads_the_csv_and_counts_a_dip_or_a_late_peak_against_a_run(tmp_path: Path) -> None:
+    learning_record = load_benchmark("learning_record")
+    runs = [_run([(4, 0.65), (8, 0.45), (15, 0.7)]),  # fell under 0.5 after reaching 0.6
+            _run([(4, 0.3), (9, 0.62), (12, 0.58), (15, 0.72)]),  # met: reached, no round under 0.5 after
+            _run([(5, 0.3), (15.5, 0.8)])]  # reached 0.6 only after the 15-minute mark
+    learning_runs.write_csv(tmp_path / "learning_runs-frozen_lake_t.csv", "FrozenLake", runs)
+    record = learning_record.read_runs("t", tmp_path)
+    assert [r.met for r in record] == [False, True, False]
+    assert [r.at_15 for r in record] == [0.7, 0.72, 0.3]
+    assert not learning_record.whole_goal(record)
+    held = [learning_record.RecordRun("t", 42, at, at, True, None) for at in (0.65, 0.7, 0.8)]
+    assert learning_record.whole_goal(held) and not learning_record.whole_goal(held[:2])
+    low_median = [learning_record.RecordRun("t", 42, at, at, True, None) for at in (0.65, 0.69, 0.8)]
+    assert not learning_record.whole_goal(low_median)

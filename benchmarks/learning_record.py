@@ -1,0 +1,103 @@
+"""The FrozenLake learning record: every measured run of `make run`'s config, against the goal's parts.
+
+    .venv/bin/python benchmarks/learning_record.py [extra_measurement ...]
+
+Reads the CSVs `benchmarks/learning_runs.py` wrote for each measurement in RECORD (and any named on the command
+line, e.g. a new one before it is added there) and prints, per measurement and over all of them, which runs met the
+goal's own parts: greedy held-out success >= 0.6 within 15 minutes, and never back below 0.5 after first reaching
+it. A measurement of three runs holds the whole goal when each of its runs did and their median at 15 minutes is
+>= 0.7. This is where the README's and docs/learning.md's record comes from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+RECORD = (
+    ("ban_masked",), ("masked_control",), ("masked_s1_3",), ("shipped_nov28",), ("masked_s4",), ("shipped_nov28b",),
+    ("shipped_nov29", "shipped_nov29c"), ("shipped_nov29d", "shipped_nov29e"), ("shipped_nov29g",),
+    ("shipped_dec01",), ("machine10_dec02",), ("machine11_dec02",), ("s5_6_dec02",), ("s7_9_dec03",),
+    ("machine12_dec03",), ("machine13_dec03",), ("anchor09_dec03",), ("machine14_dec03",),
+)
+"""The measurements of the config `make run` shipped on their day, or of a change to it that computed the same
+updates (docs/learning.md says which is which), in the order taken; each the runs of one or more
+`learning_runs-frozen_lake_<name>.csv` (a measurement of three written in two parts)."""
+REACHED, FLOOR, MEDIAN, BY_MINUTES = 0.6, 0.5, 0.7, 15
+
+
+@dataclass(frozen=True)
+class RecordRun:
+    measurement: str
+    seed: int
+    at_15: float | None
+    sampled_at_15: float | None
+    reached_by_15: bool
+    low_after_reaching: float | None
+
+    @property
+    def met(self) -> bool:
+        """This run's own parts of the goal: reached the bar by the mark, and never fell under the floor after."""
+        return self.reached_by_15 and (self.low_after_reaching is None or self.low_after_reaching >= FLOOR)
+
+
+def _number(text: str) -> float | None:
+    return float(text) if text else None
+
+
+def read_runs(name: str, results: Path = RESULTS) -> list[RecordRun]:
+    """One measurement's runs. A run reached the bar by 15 minutes if a validation round at or before the mark
+    (the 5, 10 and 15-minute figures, or its peak if that came earlier) was >= 0.6."""
+    runs = []
+    with (results / f"learning_runs-frozen_lake_{name}.csv").open() as f:
+        for row in csv.DictReader(f):
+            marks = [_number(row[f"greedy_success_{m}min"]) for m in (5, 10, BY_MINUTES)]
+            peak, peak_at = _number(row["greedy_success_peak"]), _number(row["greedy_peak_minutes"])
+            reached = any(v is not None and v >= REACHED for v in marks) or (
+                peak is not None and peak >= REACHED and peak_at is not None and peak_at <= BY_MINUTES)
+            runs.append(RecordRun(name, int(row["seed"]), marks[-1], _number(row[f"sampled_success_{BY_MINUTES}min"]),
+                                  reached, _number(row[f"greedy_success_after_{REACHED:g}_min"])))
+    return runs
+
+
+def spread(values: Sequence[float | None]) -> str:
+    present = [v for v in values if v is not None]
+    return f"{min(present):.2f} / {statistics.median(present):.2f} / {max(present):.2f}" if present else "-"
+
+
+def whole_goal(runs: Sequence[RecordRun]) -> bool:
+    """A measurement of three held every part: each run its own, and the median at 15 minutes."""
+    return len(runs) == 3 and all(r.met for r in runs) and statistics.median(r.at_15 or 0.0 for r in runs) >= MEDIAN
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("extra", nargs="*", help="measurements to count beside RECORD (their CSV names' tails)")
+    parts = [*RECORD, *((name,) for name in parser.parse_args().extra)]
+    measurements = {" + ".join(names): [r for name in names for r in read_runs(name)] for names in parts}
+    runs = [r for rs in measurements.values() for r in rs]
+    print("| measurement | seeds | greedy at 15 min | met its own parts | whole goal |\n|---|---|---|---|---|")
+    for name, rs in measurements.items():
+        whole = ("yes" if whole_goal(rs) else "no") if len(rs) == 3 else "-"
+        print(f"| {name} | {' '.join(str(r.seed) for r in rs)} | "
+              f"{' '.join('-' if r.at_15 is None else f'{r.at_15:.2f}' for r in rs)} | "
+              f"{sum(r.met for r in rs)} of {len(rs)} | {whole} |")
+    threes = [rs for rs in measurements.values() if len(rs) == 3]
+    own_seed = [r for r in runs if r.seed == 42]
+    print(f"\n{sum(r.met for r in runs)} of {len(runs)} runs met their own parts over {len(measurements)} "
+          f"measurements; make run's seed (42): {sum(r.met for r in own_seed)} of {len(own_seed)}; "
+          f"every part held in {sum(map(whole_goal, threes))} of {len(threes)} measurements of three")
+    lows = [r.low_after_reaching for r in runs if r.low_after_reaching is not None]
+    print(f"greedy at 15 min {spread([r.at_15 for r in runs])}; sampled {spread([r.sampled_at_15 for r in runs])}; "
+          f"lowest after first >= {REACHED:g} {spread(lows)} over {len(lows)} runs; "
+          f"{sum(r.reached_by_15 for r in runs)} reached {REACHED:g} by {BY_MINUTES} min, "
+          f"{sum(1 for r in runs if r.at_15 is not None and r.at_15 >= REACHED)} at the mark (min / median / max)")
+
+
+if __name__ == "__main__":
+    main()
