@@ -34,7 +34,6 @@ REACHED, FLOOR, MEDIAN, BY_MINUTES = 0.6, 0.5, 0.7, 15
 
 @dataclass(frozen=True)
 class RecordRun:
-    measurement: str
     seed: int
     at_15: float | None
     sampled_at_15: float | None
@@ -61,7 +60,7 @@ def read_runs(name: str, results: Path = RESULTS) -> list[RecordRun]:
             peak, peak_at = _number(row["greedy_success_peak"]), _number(row["greedy_peak_minutes"])
             reached = any(v is not None and v >= REACHED for v in marks) or (
                 peak is not None and peak >= REACHED and peak_at is not None and peak_at <= BY_MINUTES)
-            runs.append(RecordRun(name, int(row["seed"]), marks[-1], _number(row[f"sampled_success_{BY_MINUTES}min"]),
+            runs.append(RecordRun(int(row["seed"]), marks[-1], _number(row[f"sampled_success_{BY_MINUTES}min"]),
                                   reached, _number(row[f"greedy_success_after_{REACHED:g}_min"])))
     return runs
 

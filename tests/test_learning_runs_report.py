@@ -89,7 +89,7 @@ def test_the_record_reads_the_csv_and_counts_a_dip_or_a_late_peak_against_a_run(
     assert [r.met for r in record] == [False, True, False]
     assert [r.at_15 for r in record] == [0.7, 0.72, 0.3]
     assert not learning_record.whole_goal(record)
-    held = [learning_record.RecordRun("t", 42, at, at, True, None) for at in (0.65, 0.7, 0.8)]
+    held = [learning_record.RecordRun(42, at, at, True, None) for at in (0.65, 0.7, 0.8)]
     assert learning_record.whole_goal(held) and not learning_record.whole_goal(held[:2])
-    low_median = [learning_record.RecordRun("t", 42, at, at, True, None) for at in (0.65, 0.69, 0.8)]
+    low_median = [learning_record.RecordRun(42, at, at, True, None) for at in (0.65, 0.69, 0.8)]
     assert not learning_record.whole_goal(low_median)
