@@ -427,8 +427,8 @@ class RollstreamConfig:
     at kl_anchor_coef at the positions of each reply that did not parse, and at no other, so it engages from the
     first broken reply and moves a broken token however sure the policy is of it (a penalty on the sampled token's
     logprob cannot). It touches no valid reply's position, yet on a resumed run its format came back whole and
-    greedy success fell 0.83 -> 0.62 (docs/learning.md; likely its pull, through the shared weights, towards the
-    warm start's random actions), so it stays off."""
+    greedy success fell from 0.83-0.86 to 0.62-0.72 (docs/learning.md; likely its pull, through the shared weights,
+    towards the warm start's random actions), so it stays off."""
     whiten_advantages: bool = False
     """Zero mean, unit variance over the batch's response tokens."""
     entropy_loss_coef: Annotated[float, Field(ge=0.0)] = 0.0
