@@ -11,11 +11,14 @@ replies, half with a short think), as `train_step_throughput.py` builds them. Fo
 `deepspeed_train` (ZeRO stage from the config; one rank), each path:
 - `response logits`: what the trainer does: the model computes no logits, its lm_head runs on the last hidden
   states of the positions that predict a response token only;
+- `response logits, padding mask`: as the first, the model also given the batch's padding mask (the trainer
+  before 2026-12-04; a right-padded batch needs only the causal mask);
 - `full logits` (the baseline): logits at every position (151,936 per token), then the loss picks the same ones.
 The phases alternate, `--repeats` times each; the table gives the median. Then `publish`: one weights version
 written as the trainer writes it (`publish_weights`: safetensors, tokenizer, digest, rename), median of 3.
 What it leaves out: generation (vLLM, which is not on the GPU machines lent here) and Redis. `--shape tiny` runs
-the same on the main job's tiny model, to check the script on a CPU. Writes `benchmarks/results/train_step_gpu.csv`.
+the same on the main job's tiny model, to check the script on a CPU. Writes `benchmarks/results/train_step_gpu.csv`
+(`--results` elsewhere).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from pathlib import Path
 
 import torch
 import yaml
-from train_step_throughput import FullLogits, frozen_lake_batch, timed_update
+from train_step_throughput import FullLogits, PaddingMask, frozen_lake_batch, timed_update
 from transformers import AutoTokenizer
 from weights_publication import qwen_05b_model
 
@@ -46,7 +49,7 @@ REPO = Path(__file__).resolve().parent.parent
 CONFIG = REPO / "configs" / "qwen2.5-0.5B_frozen_lake_gpu.yaml"
 RESULTS = REPO / "benchmarks" / "results" / "train_step_gpu.csv"
 STRATEGIES = ("torch_train", "deepspeed_train")
-PATHS = ("response logits", "full logits")
+PATHS = ("response logits", "response logits, padding mask", "full logits")
 
 
 def build_model(work: Path, shape: str) -> Path:
@@ -76,7 +79,8 @@ def measure(strategy_name: str, model_dir: Path, config: Path, tokens: TokenBatc
     strategy = make_strategy(cfg)
     settings = UpdateSettings.from_config(cfg)
     total_tokens = int(tokens.attention_mask.sum())
-    paths = {"response logits": strategy, "full logits": FullLogits(strategy)}
+    paths = {"response logits": strategy, "response logits, padding mask": PaddingMask(strategy),
+             "full logits": FullLogits(strategy)}
     timed_update(strategy, tokens, settings)  # warm-up: allocator, kernels, the optimizer's state
     seconds: dict[str, list[float]] = {p: [] for p in PATHS}
     peaks: dict[str, list[float]] = {p: [] for p in PATHS}
@@ -117,7 +121,7 @@ def print_rows(rows: list[dict[str, object]]) -> None:
     baseline = next(r["seconds"] for r in rows if r["path"] == "full logits")
     for r in rows:
         ratio = f"{baseline / r['seconds']:.2f}x" if r["path"] != "publish" else ""  # type: ignore[operator]
-        print(f"| {r['strategy']:<15} | {r['path']:<15} | {r['seconds']:>8.2f} | {r['tokens_per_s']:>9,.0f} "
+        print(f"| {r['strategy']:<15} | {r['path']:<30} | {r['seconds']:>8.2f} | {r['tokens_per_s']:>9,.0f} "
               f"| {ratio:>7} | {r['peak_gib']:>8.1f} | {r['loss_pg']:>8.3g} |", flush=True)
 
 
@@ -128,10 +132,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--shape", choices=("0.5b", "tiny"), default="0.5b")
     parser.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated")
+    parser.add_argument("--results", type=Path, default=RESULTS, help="the CSV to write")
     args = parser.parse_args()
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU (CPU)"
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp, RESULTS.open("w", newline="") as f:
+    args.results.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp, args.results.open("w", newline="") as f:
         work = Path(tmp)
         model_dir = build_model(work, args.shape)
         tokens = frozen_lake_batch(model_dir, args.trajectories)
@@ -139,9 +144,9 @@ def main() -> None:
         print(f"{device}, torch {torch.__version__}; model: {args.shape}-shaped, random weights; "
               f"{args.trajectories} trajectories, {total:,} tokens, {tokens.num_response_tokens:,} of them generated; "
               f"config {args.config.name}; medians of {args.repeats}")
-        print(f"| {'strategy':<15} | {'path':<15} | {'seconds':>8} | {'tokens/s':>9} | {'vs full':>7} "
+        print(f"| {'strategy':<15} | {'path':<30} | {'seconds':>8} | {'tokens/s':>9} | {'vs full':>7} "
               f"| {'peak GiB':>8} | {'loss/pg':>8} |")
-        print(f"|{'-' * 17}|{'-' * 17}|{'-' * 10}|{'-' * 11}|{'-' * 9}|{'-' * 10}|{'-' * 10}|", flush=True)
+        print(f"|{'-' * 17}|{'-' * 32}|{'-' * 10}|{'-' * 11}|{'-' * 9}|{'-' * 10}|{'-' * 10}|", flush=True)
         writer = csv.DictWriter(f, fieldnames=["device", "shape", "trajectories", "tokens", "strategy", "path",
                                                "seconds", "tokens_per_s", "peak_gib", "loss_pg"])
         writer.writeheader()
@@ -156,7 +161,7 @@ def main() -> None:
                 writer.writerow({"device": device, "shape": args.shape, "trajectories": args.trajectories,
                                  "tokens": total, **r})
             f.flush()
-    print(f"wrote {RESULTS}")
+    print(f"wrote {args.results}")
 
 
 if __name__ == "__main__":

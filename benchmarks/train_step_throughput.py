@@ -23,6 +23,7 @@ and optimizer, bf16 compute; measured so far only on a CPU with bf16 instruction
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import multiprocessing
 import os
@@ -90,10 +91,12 @@ class PaddingMask:
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 positions: torch.Tensor | None = None) -> torch.Tensor:
         model = self.strategy.model
-        no_logits = torch.empty(0, dtype=torch.long)
-        out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=no_logits,
-                    output_hidden_states=True)
-        return model.get_output_embeddings()(out.hidden_states[-1][positions])
+        no_logits = torch.empty(0, dtype=torch.long, device=input_ids.device)
+        dtype = getattr(self.strategy, "autocast_dtype", None)  # torch_train's bf16 computes under autocast
+        with torch.autocast(input_ids.device.type, dtype=dtype) if dtype else contextlib.nullcontext():
+            out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                        logits_to_keep=no_logits, output_hidden_states=True)
+            return model.get_output_embeddings()(out.hidden_states[-1][positions])
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.strategy, name)
