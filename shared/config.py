@@ -429,6 +429,12 @@ class RollstreamConfig:
     logprob cannot). It touches no valid reply's position, yet on a resumed run its format came back whole and
     greedy success fell from 0.83-0.86 to 0.62-0.72 (docs/learning.md; likely its pull, through the shared weights,
     towards the warm start's random actions), so it stays off."""
+    format_unlikelihood_coef: Annotated[float, Field(ge=0.0)] = 0.0
+    """Unlikelihood on the token that broke a reply's format: on every step, -log(1 - p) of the one token at which
+    each reply that did not parse first left the reply format (`<answer>Down<answer>`: the second `<answer>`), times
+    this, per response token as the policy loss. Its gradient on that token's logit is p, where a policy-gradient
+    penalty's is scaled by 1 - p and all but vanishes on a token the policy is sure of; the mass it takes goes to the
+    other tokens in proportion to the policy's own distribution there, not to the warm start's. 0: off."""
     whiten_advantages: bool = False
     """Zero mean, unit variance over the batch's response tokens."""
     entropy_loss_coef: Annotated[float, Field(ge=0.0)] = 0.0

@@ -50,6 +50,7 @@ from rollstream.consumer.data.batcher import Batch
 from rollstream.consumer.learn.advantages import AdvantageSettings, compute_advantages
 from rollstream.consumer.learn.checkpoints import LearnerState, load_learner_state, save_checkpoint, strategy_dir
 from rollstream.consumer.learn.entropy_control import EntropyControl
+from rollstream.consumer.learn.format_unlikelihood import break_positions, reply_formats, unlikelihood
 from rollstream.consumer.learn.kl_anchor import needs_reference, step_kl_coef, unparsed_reply_kl_coef
 from rollstream.consumer.learn.loss import (
     approx_kl,
@@ -115,6 +116,8 @@ class UpdateSettings:
     unparsed_kl_coef: float = 0.0
     """Coefficient of KL(reference || policy) at the positions of replies that did not parse
     (`kl_anchor_unparsed_replies`)."""
+    format_unlikelihood_coef: float = 0.0
+    """Coefficient of -log(1 - p) on each unparsed reply's format-breaking token (`format_unlikelihood`)."""
 
     @property
     def has_kl_term(self) -> bool:
@@ -126,6 +129,11 @@ class UpdateSettings:
         """The loss pulls the positions of unparsed replies to the reference (`unparsed_drift`): the rows that hold
         them have a gradient whatever their advantage."""
         return self.unparsed_kl_coef > 0
+
+    @property
+    def trains_unparsed(self) -> bool:
+        """A term of the loss acts on unparsed replies whatever their advantage, so their rows have a gradient."""
+        return self.anchors_unparsed or self.format_unlikelihood_coef > 0
 
     @property
     def has_entropy_term(self) -> bool:
@@ -155,7 +163,7 @@ class UpdateSettings:
         return cls(low, cfg.is_ratio_cap, cfg.old_logprobs, cfg.init_kl_coef, cfg.entropy_loss_coef,
                    cfg.ppo_epochs, minibatch_size(cfg), args.per_device_train_batch_size,
                    args.max_tokens_per_microbatch, cfg.actor_train.infer_batch_size, high, cfg.skip_zero_advantage,
-                   cfg.early_stop_kl, banned, unparsed_reply_kl_coef(cfg))
+                   cfg.early_stop_kl, banned, unparsed_reply_kl_coef(cfg), cfg.format_unlikelihood_coef)
 
 
 class PolicyLearner:
@@ -172,6 +180,9 @@ class PolicyLearner:
         """Shuffles mini-batches; its state is part of a checkpoint."""
         self.reference = load_reference(cfg, strategy.device) if needs_reference(cfg) else None
         self.entropy_control = EntropyControl.from_config(cfg)
+        self.reply_formats = reply_formats(cfg.custom_envs) if cfg.format_unlikelihood_coef > 0 else {}
+        """Action names by env tag, for finding where an unparsed reply broke the format."""
+        self._pieces: dict[int, str | None] = {}
         self.steps_done = 0
 
     def train_step(self, batch: Batch) -> dict[str, float]:
@@ -180,7 +191,10 @@ class PolicyLearner:
         groups = [g.trajectories for g in batch.groups]
         trajs = [t for group in groups for t in group]
         advantages = compute_advantages(groups, self.advantages)
-        tokens = build_token_batch(trajs, advantages, whiten=self.cfg.whiten_advantages, clip=self.cfg.adv_clip)
+        breaks = ([break_positions(t, self.piece, self.reply_formats[t.tag]) if t.tag in self.reply_formats else []
+                   for t in trajs] if self.settings.format_unlikelihood_coef > 0 else None)
+        tokens = build_token_batch(trajs, advantages, whiten=self.cfg.whiten_advantages, clip=self.cfg.adv_clip,
+                                   breaks=breaks)
         check_trainable(tokens, batch.step)
         metrics = advantage_stats(tokens)
         metrics["actor/zero_adv_rows"] = float(tokens.num_rows - int(rows_with_gradient(tokens).sum()))
@@ -193,6 +207,13 @@ class PolicyLearner:
         self.entropy_control.observe(metrics["loss/entropy"])
         self.steps_done += 1
         return metrics
+
+    def piece(self, token_id: int) -> str | None:
+        """A token's text; None for a special token (end-of-sequence ends a reply)."""
+        if token_id not in self._pieces:
+            special = token_id in self.tokenizer.all_special_ids
+            self._pieces[token_id] = None if special else str(self.tokenizer.decode([token_id]))
+        return self._pieces[token_id]
 
     def update(self, tokens: TokenBatch, settings: UpdateSettings) -> dict[str, float]:
         """The PPO update on the whole batch with this step's settings (a multi-rank leader splits it over the
@@ -243,14 +264,14 @@ def check_trainable(tokens: TokenBatch, step: int) -> None:
                          "not record logprobs; the importance ratio needs them")
 
 
-def rows_with_gradient(tokens: TokenBatch, anchors_unparsed: bool = False) -> torch.Tensor:
-    """Which rows have a non-zero advantage on some response token (with `anchors_unparsed`: or hold a reply that
+def rows_with_gradient(tokens: TokenBatch, trains_unparsed: bool = False) -> torch.Tensor:
+    """Which rows have a non-zero advantage on some response token (with `trains_unparsed`: or hold a reply that
     did not parse), as a (B,) bool tensor.
 
     The policy-gradient term of every other row is exactly zero (a group whose members all scored the same), so
     without a KL penalty or an entropy bonus its forward and backward passes add nothing to the gradient."""
     rows = ((tokens.advantages != 0) & (tokens.response_mask > 0)).any(dim=1)
-    return rows | unparsed_rows(tokens) if anchors_unparsed else rows
+    return rows | unparsed_rows(tokens) if trains_unparsed else rows
 
 
 def unparsed_rows(tokens: TokenBatch) -> torch.Tensor:
@@ -365,6 +386,11 @@ def microbatch_loss(forward: Forward, part: TokenBatch, settings: UpdateSettings
         if drift is not None:
             loss = loss + settings.unparsed_kl_coef * drift / normalizer
             sums["unparsed_kl"] = drift.detach()
+    if settings.format_unlikelihood_coef > 0 and part.break_mask is not None:
+        away = unlikelihood(logprobs, part.break_mask)
+        loss = loss + settings.format_unlikelihood_coef * away / normalizer
+        sums["unlikelihood"] = away.detach()
+        sums["format_breaks"] = part.break_mask.sum()
     # The entropy keeps its graph only when it is part of the loss.
     with torch.set_grad_enabled(settings.has_entropy_term and torch.is_grad_enabled()):
         entropy = token_entropy(logits).sum()  # the logits are the response positions' only
@@ -398,7 +424,7 @@ def unparsed_drift(logits: torch.Tensor, part: TokenBatch, reference: Forward) -
 
 
 TALLY_KEYS = frozenset({"pg", "clip", "truncated", "ratio", "approx_kl", "is_weight", "kl", "unparsed_kl", "entropy",
-                        "banned_mass", "tokens"})
+                        "banned_mass", "unlikelihood", "format_breaks", "tokens"})
 """Every sum a Tally may hold; ranks reduce them in this (sorted) order, whichever they saw."""
 
 
@@ -471,6 +497,9 @@ class Tally:
             out["actor/is_weight_mean"] = self.sums["is_weight"] / n
         if "banned_mass" in self.sums:
             out["actor/banned_mass"] = self.sums["banned_mass"] / n
+        if "unlikelihood" in self.sums:
+            out["loss/format_unlikelihood"] = self.sums["unlikelihood"] / n
+            out["actor/format_breaks"] = self.sums["format_breaks"]
         return out
 
 
@@ -497,7 +526,7 @@ def plan_update(tokens: TokenBatch, settings: UpdateSettings, generator: torch.G
     return plan_shards(tokens, world_size, epochs=settings.ppo_epochs, minibatch_size=settings.minibatch_size,
                        generator=generator, max_tokens=settings.max_tokens_per_microbatch,
                        max_rows=settings.microbatch_rows, logprob_rows=settings.logprob_rows,
-                       trained=rows_with_gradient(tokens, settings.anchors_unparsed) if skip else None)
+                       trained=rows_with_gradient(tokens, settings.trains_unparsed) if skip else None)
 
 
 def run_shard(strategy: TrainStrategy, shard: Shard, settings: UpdateSettings,

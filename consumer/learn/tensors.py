@@ -37,6 +37,9 @@ class TokenBatch:
     """(B, T - 1): the reference model's logprobs (only with a KL penalty)."""
     unparsed_mask: torch.Tensor | None = None
     """(B, T - 1) float32, 1 on the generated tokens of replies that did not parse as an action."""
+    break_mask: torch.Tensor | None = None
+    """(B, T - 1) float32, 1 on the token at which an unparsed reply left the reply format (`format_unlikelihood`);
+    None when the batch was built without them."""
 
     @property
     def num_rows(self) -> int:
@@ -90,10 +93,14 @@ def build_token_batch(
     whiten: bool = False,
     clip: float | None = None,
     pad_id: int = 0,
+    breaks: Sequence[Sequence[int]] | None = None,
 ) -> TokenBatch:
-    """Pad the trajectories into one TokenBatch with per-token advantages (whitened/clipped over response tokens)."""
+    """Pad the trajectories into one TokenBatch with per-token advantages (whitened/clipped over response tokens);
+    `breaks`: each trajectory's format-breaking token indices, for `break_mask`."""
     if len(trajs) != len(advantages):
         raise ValueError(f"{len(advantages)} advantages for {len(trajs)} trajectories")
+    if breaks is not None and len(breaks) != len(trajs):
+        raise ValueError(f"format breaks for {len(breaks)} trajectories, {len(trajs)} trajectories")
     for t in trajs:
         if not (len(t.input_ids) == len(t.response_mask) == len(t.logprobs)):
             raise ValueError(f"{t.traj_id}: input_ids, response_mask and logprobs differ in length "
@@ -106,6 +113,7 @@ def build_token_batch(
     behaviour = np.zeros((rows, width), np.float32)
     token_adv = np.zeros((rows, width), np.float64)
     unparsed = np.zeros((rows, width), np.float32)
+    broke = np.zeros((rows, width), np.float32)
     for i, (traj, adv) in enumerate(zip(trajs, advantages)):
         n = traj.num_tokens
         input_ids[i, :n] = torch.from_numpy(traj.input_ids.astype(np.int64))
@@ -117,8 +125,10 @@ def build_token_batch(
             if not turn.action_is_valid:
                 start, end = turn.response_span
                 unparsed[i, start:end] = traj.response_mask[start:end]
+        broke[i, list(breaks[i]) if breaks is not None else []] = 1.0
     # Shift to targets: the first token of a trajectory has no logits predicting it.
-    response, behaviour, token_adv, unparsed = response[:, 1:], behaviour[:, 1:], token_adv[:, 1:], unparsed[:, 1:]
+    response, behaviour, token_adv = response[:, 1:], behaviour[:, 1:], token_adv[:, 1:]
+    unparsed, broke = unparsed[:, 1:], broke[:, 1:]
     on = response > 0
     token_adv[on] = finalize(token_adv[on], whiten_values=whiten, clip=clip)
     token_adv[~on] = 0.0
@@ -129,6 +139,7 @@ def build_token_batch(
         behaviour_logprobs=torch.from_numpy(behaviour * response),
         advantages=torch.from_numpy(token_adv.astype(np.float32)),
         unparsed_mask=torch.from_numpy(unparsed),
+        break_mask=torch.from_numpy(broke) if breaks is not None else None,
     )
 
 

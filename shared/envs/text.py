@@ -5,8 +5,11 @@ A tiny model with a small context consumes this text, so every template is short
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Sequence
+
+import regex
 
 # A reply is `<answer>A</answer>`, optionally after one `<think>...</think>`, with only whitespace around.
 # The think body may hold anything but another think/answer tag, so a reply with two answers
@@ -51,6 +54,35 @@ def _named_action(answer: str | None, action_names: Sequence[str]) -> str | None
         if name.casefold() == answer:
             return name
     return None
+
+
+def format_break(pieces: Sequence[str | None], action_names: Sequence[str]) -> int | None:
+    """Where a reply first left the reply format: the index of the first of its tokens' `pieces` (each token's
+    text; None for a token that ends the reply, end-of-sequence) after which no well-formed reply naming one of
+    `action_names` begins with what was written. None when there is no such token: the reply is well formed, or it
+    was cut off by the token cap while it could still have become one.
+
+    `<answer>Down<answer>Down...`: the second `<answer>`; `<answer></answer>`: the `</answer>`; `<answer>Down`
+    then end-of-sequence: the end. With no `action_names` any non-empty answer counts as one."""
+    prefix = _reply_pattern(tuple(action_names))
+    text = ""
+    for i, piece in enumerate(pieces):
+        if piece is None:
+            return None if prefix.fullmatch(text) else i
+        text += piece
+        if prefix.fullmatch(text, partial=True) is None:
+            return i
+    return None
+
+
+@functools.cache
+def _reply_pattern(action_names: tuple[str, ...]) -> regex.Pattern[str]:
+    """A well-formed reply naming one of `action_names`, in the `regex` package's dialect: its partial matching
+    says whether a text can still be extended into a match."""
+    any_answer = rf"{_NO_TAG}(?!</?(?:think|answer)>)\S{_NO_TAG}"
+    answer = "|".join(regex.escape(name) for name in action_names) if action_names else any_answer
+    return regex.compile(rf"\s*(?:<think>{_NO_TAG}</think>\s*)?<answer>\s*(?i:{answer})\s*</answer>\s*",
+                         regex.DOTALL)
 
 
 def opens_think(reply: str) -> bool:

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollstream.shared.envs.text import format_reply, parse_action, reply_instructions, turn_prompt
+from rollstream.shared.envs.text import format_break, format_reply, parse_action, reply_instructions, turn_prompt
 
 NAMES = ("Left", "Down", "Right", "Up")
 TAGS = ("<think>", "</think>", "<answer>", "</answer>")
@@ -97,3 +97,46 @@ def test_reply_instructions_show_the_format() -> None:
     line = reply_instructions(NAMES)
     assert "<answer>Left</answer>" in line and "<think>" in line
     assert parse_action("<answer>Left</answer>", NAMES) == "Left"
+
+
+END = None  # a token that ends the reply (end-of-sequence)
+
+
+@pytest.mark.parametrize(
+    ("pieces", "expected"),
+    [
+        (["<answer>", "Down", "<answer>", "Down", "<answer>"], 2),  # the second opening tag where the closing belongs
+        (["<answer>", "</answer>", END], 1),  # the empty answer
+        (["<answer>", "Down", "R", "ight", "</answer>"], 2),  # no action is spelled "DownR..."
+        (["<answer>", "Jump", "</answer>"], 1),
+        (["<answer>", "Down", END], 2),  # ended before the closing tag
+        (["<answer>", "Down", "</answer>", " then"], 3),
+        (["Down"], 0),
+        (["<answer>", "Down", "</answer>", "\n", END], None),
+        (["<think>", "a < b", "</think>", " <answer>", "up", "</answer>", END], None),
+        (["<answer>", "Do", "wn"], None),  # cut off by the token cap while still on course
+        ([], None),
+    ],
+)
+def test_format_break_is_the_first_token_no_well_formed_reply_starts_with(pieces: list[str | None],
+                                                                          expected: int | None) -> None:
+    assert format_break(pieces, NAMES) == expected
+
+
+def test_format_break_without_action_names_takes_any_non_empty_answer() -> None:
+    assert format_break(["<answer>", "Jump", "</answer>", END], ()) is None
+    assert format_break(["<answer>", " ", "</answer>"], ()) == 2
+
+
+@given(name=st.sampled_from(NAMES), thought=st.none() | st.text(alphabet="ab <>/", max_size=8),
+       cuts=st.lists(st.integers(min_value=0, max_value=60), max_size=6))
+@settings(max_examples=200, deadline=None)
+def test_a_well_formed_reply_has_no_break_however_it_is_split(name: str, thought: str | None,
+                                                               cuts: list[int]) -> None:
+    reply = format_reply(name, thought)
+    if parse_action(reply, NAMES) is None:  # the thought happened to spell a tag
+        return
+    bounds = sorted({0, len(reply), *(c for c in cuts if c < len(reply))})
+    pieces: list[str | None] = [reply[a:b] for a, b in zip(bounds, bounds[1:])]
+    assert format_break([*pieces, END], NAMES) is None
+    assert format_break([*pieces, "x"], NAMES) == len(pieces)

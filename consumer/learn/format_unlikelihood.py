@@ -1,0 +1,56 @@
+"""Unlikelihood on the token that broke a reply's format (`format_unlikelihood_coef`).
+
+Twice a run of the main job lost part of its reply format for good: from some step on, a fifth or a seventh of the
+replies broke at one token the policy was nearly sure of (`<answer>Down<answer>...`, the second `<answer>` at
+p = 0.990; `<answer></answer>`, the closing tag at p = 0.996), and neither the policy gradient nor a k3 penalty
+moved it, because a loss on a sampled token's logprob reaches that position's logits scaled by 1 - p
+(docs/learning.md). The forward KL to the warm start moved it, but also pulled the actions there towards the warm
+start's random ones. This term is -log(1 - p) of the breaking token alone: its gradient on that token's logit is
+p, however sure the policy is, and the mass it takes goes to the other tokens in proportion to the policy's own
+distribution at that position (unlikelihood training, Welleck et al. 2019). It needs no reference model.
+
+Which token broke the format is read from the reply's tokens (`text.format_break`): the first after which no
+well-formed reply can begin with what was written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+
+from rollstream.shared.config import CustomEnvConfig
+from rollstream.shared.envs.registry import resolve_env_type
+from rollstream.shared.envs.text import format_break
+from rollstream.shared.schema import Trajectory
+
+Piece = Callable[[int], "str | None"]
+"""A token id's text; None for a token that ends a reply (end-of-sequence and the other special tokens)."""
+
+
+def reply_formats(custom_envs: Mapping[str, CustomEnvConfig]) -> dict[str, tuple[str, ...]]:
+    """Each env tag's action names, for the tags whose replies use the built-in format (an env read with ROLL's
+    `action_pattern` has its own, and gets no break)."""
+    return {tag: tuple(resolve_env_type(env.env_type).action_names) for tag, env in custom_envs.items()
+            if "action_pattern" not in env.env_config}
+
+
+def break_positions(traj: Trajectory, piece: Piece, action_names: Sequence[str]) -> list[int]:
+    """The index in `traj.input_ids` of the token at which each reply that did not parse left the format."""
+    positions = []
+    for turn in traj.turns:
+        if turn.action_is_valid:
+            continue
+        start, end = turn.response_span
+        generated = [k for k in range(start, end) if traj.response_mask[k] > 0]
+        at = format_break([piece(int(traj.input_ids[k])) for k in generated], action_names)
+        if at is not None:
+            positions.append(generated[at])
+    return positions
+
+
+def unlikelihood(logprobs: torch.Tensor, break_mask: torch.Tensor) -> torch.Tensor:
+    """Summed -log(1 - p) over the breaking tokens (`break_mask` > 0; `logprobs` (B, T - 1) are their log p)."""
+    # log(1 - p) as log(-expm1(log p)): exact near p = 1, where 1 - exp() would round to 0.
+    at = logprobs[break_mask > 0].float().clamp(max=-1e-7)
+    return -torch.log(-torch.expm1(at)).sum()
