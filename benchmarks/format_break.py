@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/format_break.py CHECKPOINT MODEL_DIR OUT --alpha 0.8 0.9 1.0
     .venv/bin/python benchmarks/format_break.py CHECKPOINT MODEL_DIR OUT --after Down --nats 8 10
+    .venv/bin/python benchmarks/format_break.py CHECKPOINT MODEL_DIR OUT --weights RUN/weights/v180
 
 The format losses of the main job came in a burst of large steps that left a token in constant use (`R`, the first
 token of `Right`) scored where the closing tag belongs (`<answer>DownR...`). For each alpha this adds alpha x the
@@ -17,6 +18,10 @@ in some states only (`<answer>Down<answer>Down...`: the second `<answer>` at p =
 `--after Down --nats N` makes that one: it raises the `<answer>` row of `lm_head` along the mean last hidden state
 of the positions where `</answer>` follows `<answer>Down` (in conversations built as in the warm start), so that
 its logit there grows by about N; written as OUT/after<action>-nats<N>/step_0.
+
+`--weights RUN/weights/v<n>` breaks nothing: it puts a version the run published (the trainer keeps the last few)
+into the checkpoint's optimizer state, as OUT/v<n>/step_0, so a real loss that began after the run's last
+checkpoint can be resumed (the optimizer's moments are the checkpoint's, a few steps older than the weights).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as transformers_logging
 
@@ -106,6 +112,7 @@ def main() -> None:
     parser.add_argument("--after", help="the saturated break: `<answer>` written where `</answer>` follows this "
                                         "action")
     parser.add_argument("--nats", type=float, nargs="+", default=[], help="with --after: how far to raise it")
+    parser.add_argument("--weights", type=Path, help="a published version to resume instead of the checkpoint's")
     parser.add_argument("--prompts", type=int, default=512, help="sampled replies per measurement")
     args = parser.parse_args()
     transformers_logging.disable_progress_bar()
@@ -121,6 +128,14 @@ def main() -> None:
         target = args.out / f"alpha{alpha:g}" / "step_0"
         write_checkpoint(broken, args.checkpoint, target)
         print(f"alpha {alpha:g}: valid replies {valid_rate(broken, args.model_dir, args.prompts):.3f} -> {target}")
+    if args.weights is not None:
+        published = {**state, "model": load_file(args.weights / "model.safetensors")}
+        if published["model"].keys() != state["model"].keys():
+            raise SystemExit(f"{args.weights} holds other tensors than the checkpoint's model")
+        target = args.out / args.weights.name / "step_0"
+        write_checkpoint(published, args.checkpoint, target)
+        print(f"{args.weights.name}: valid replies {valid_rate(published, args.model_dir, args.prompts):.3f} "
+              f"-> {target}")
     for nats in args.nats if args.after else []:
         broken = saturated_break_state(state, args.model_dir, args.after, nats)
         target = args.out / f"after{args.after}-nats{nats:g}" / "step_0"

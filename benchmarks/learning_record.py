@@ -24,7 +24,7 @@ RECORD = (
     ("shipped_nov29", "shipped_nov29c"), ("shipped_nov29d", "shipped_nov29e"), ("shipped_nov29g",),
     ("shipped_dec01",), ("machine10_dec02",), ("machine11_dec02",), ("s5_6_dec02",), ("s7_9_dec03",),
     ("machine12_dec03",), ("machine13_dec03",), ("anchor09_dec03",), ("machine14_dec03",), ("pair_dec04_r1",),
-    ("machine18_dec04",),
+    ("machine18_dec04",), ("causal_dec04",),
 )
 """The measurements of the config `make run` shipped on their day, or of a change to it that computed the same
 updates (docs/learning.md says which is which), in the order taken; each the runs of one or more
