@@ -5,6 +5,7 @@ from pathlib import Path
 import redis
 
 from rollstream.consumer.data.batcher import Batcher
+from rollstream.consumer.data.reader import StreamReader
 from rollstream.shared.codec import encode_drop, encode_trajectory
 from rollstream.shared.keys import TRAINER_CONSUMER, Keys
 from rollstream.shared.ledger import Ledger, reconciles
@@ -194,3 +195,19 @@ def test_the_group_filter_lets_groups_through_past_its_limit(tmp_path, redis_cli
     second = batcher.next_batch(1, timeout_s=0.5)  # groups 4 and 5 were read ahead: the next batch filters them
     assert second is None and batcher.ledger.counters()["filtered_dropped"] == 4
     assert reconciles(batcher.ledger.counters())
+
+
+def test_a_redis_back_empty_leaves_nothing_pending_and_the_next_read_recreates_the_group(
+        redis_client: redis.Redis) -> None:
+    """The trainer's checks between reads (how many entries it holds unacknowledged) must not crash on a server
+    that lost the consumer group: the ledger's check, not a NOGROUP traceback, is what stops such a run."""
+    keys = Keys.for_exp("back_empty")
+    reader = StreamReader(redis_client, keys, keys.traj, TRAINER_CONSUMER, block_ms=10)
+    redis_client.xadd(keys.traj, encode_trajectory(make_traj(0, 0, 0)))
+    reader.read()  # nothing pending of its own yet: that read was the re-read of its pending entries
+    assert len(reader.read()) == 1  # delivered, not acknowledged
+    assert reader.pending_count() == 1
+    redis_client.flushall()
+    assert reader.pending_count() == 0
+    assert reader.read() == []
+    assert redis_client.xinfo_groups(keys.traj)[0]["name"] in (b"trainer", "trainer")

@@ -97,7 +97,14 @@ class StreamReader:
 
     def pending_count(self) -> int:
         """How many entries the group has delivered to this consumer and not yet seen acknowledged."""
-        summary = self.client.xpending(self.stream, TRAINER_GROUP)
+        try:
+            summary = self.client.xpending(self.stream, TRAINER_GROUP)
+        except redis.ResponseError as e:
+            if "NOGROUP" not in str(e):
+                raise
+            # The group vanished with a Redis that came back empty: nothing is pending; `read` recreates the group,
+            # and the ledger's check of the committed version stops the run with one line.
+            return 0
         mine = [c["pending"] for c in summary.get("consumers") or [] if c["name"] in (self.consumer,
                                                                                       self.consumer.encode())]
         return int(mine[0]) if mine else 0
