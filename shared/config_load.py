@@ -2,7 +2,8 @@
 translated, types and ranges checked, then every check across keys. Every failure is one `ConfigError` line.
 
 The merge is plain dicts (later wins, mappings merge key by key), except that a `custom_envs` tag written in the
-config replaces its default preset whole: a tag means what its entry says. Interpolations (`${exp_name}`) are
+config replaces its default preset whole: a tag means what its entry says, and a strategy named anew starts from
+its own `strategy_config`. Interpolations (`${exp_name}`) are
 resolved by omegaconf after the merge, so they may point at defaults.
 """
 
@@ -134,8 +135,13 @@ def parse_overrides(overrides: Sequence[str]) -> dict[str, Any]:
 
 
 def deep_merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
-    """`over` on `base`: mappings merge key by key, anything else is replaced."""
+    """`over` on `base`: mappings merge key by key, anything else is replaced. A `strategy_args` whose
+    `strategy_name` changes drops the `strategy_config` below it: the other strategy's options are not this one's
+    (`actor_infer.strategy_args.strategy_name=hf_infer` over a vLLM config would keep `gpu_memory_utilization`,
+    which hf_infer refuses)."""
     out = dict(base)
+    if "strategy_name" in over and over["strategy_name"] != base.get("strategy_name"):
+        out.pop("strategy_config", None)
     for key, value in over.items():
         if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
             out[key] = deep_merge(out[key], value)

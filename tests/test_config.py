@@ -82,3 +82,16 @@ def test_every_key_has_a_one_line_docstring_and_explain_prints_it(capsys: pytest
             annotation = cls.__pydantic_fields__[f.name].annotation
             if is_dataclass(annotation) and annotation not in seen:
                 pending.append(annotation)
+
+
+def test_a_strategy_named_anew_starts_from_its_own_options(tmp_path: Path) -> None:
+    """The main job's vLLM options (gpu_memory_utilization, enforce_eager) do not follow a switch to hf_infer, whose
+    check refuses them; options given with the new name apply, and naming the same strategy again keeps them."""
+    main = REPO / "configs" / "frozen_lake.yaml"
+    out = f"output_dir={tmp_path}"
+    hf = load_config(main, [out, "actor_infer.strategy_args.strategy_name=hf_infer",
+                            "actor_infer.strategy_args.strategy_config={device: cpu}"])
+    assert hf.actor_infer.strategy_args.strategy_name == "hf_infer"
+    assert hf.actor_infer.strategy_args.strategy_config == {"device": "cpu"}
+    same = load_config(main, [out, "actor_infer.strategy_args.strategy_name=vllm"])
+    assert same.actor_infer.strategy_args.strategy_config["enforce_eager"] is True
