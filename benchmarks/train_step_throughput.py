@@ -23,7 +23,6 @@ and optimizer, bf16 compute; measured so far only on a CPU with bf16 instruction
 from __future__ import annotations
 
 import argparse
-import contextlib
 import itertools
 import multiprocessing
 import os
@@ -33,12 +32,14 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import numpy as np
 import torch
 from transformers import AutoTokenizer
 
 from rollstream.consumer.learn.policy_learner import UpdateSettings, ppo_update
+import rollstream.consumer.learn.strategy as strategy_module
 from rollstream.consumer.learn.strategy import ModelSettings, OptimSettings
 from rollstream.consumer.learn.strategy.torch_strategy import TorchStrategy
 from rollstream.consumer.learn.tensors import TokenBatch, build_token_batch
@@ -83,20 +84,17 @@ class FullLogits:
 
 
 class PaddingMask:
-    """The trainer before 2026-12-04: response logits, the model given the padding mask as well."""
+    """The trainer before 2026-12-04: the model given the padding mask of every batch, right-padded ones too."""
 
     def __init__(self, strategy: TorchStrategy) -> None:
         self.strategy = strategy
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 positions: torch.Tensor | None = None) -> torch.Tensor:
-        model = self.strategy.model
-        no_logits = torch.empty(0, dtype=torch.long, device=input_ids.device)
-        dtype = getattr(self.strategy, "autocast_dtype", None)  # torch_train's bf16 computes under autocast
-        with torch.autocast(input_ids.device.type, dtype=dtype) if dtype else contextlib.nullcontext():
-            out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
-                        logits_to_keep=no_logits, output_hidden_states=True)
-            return model.get_output_embeddings()(out.hidden_states[-1][positions])
+        # The strategy's own forward, with `model_padding_mask` (looked up by `causal_lm_logits` at each call)
+        # keeping every mask.
+        with mock.patch.object(strategy_module, "model_padding_mask", lambda mask: mask):
+            return self.strategy.forward(input_ids, attention_mask, positions)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.strategy, name)
