@@ -24,10 +24,11 @@ RECORD = (
     ("shipped_nov29", "shipped_nov29c"), ("shipped_nov29d", "shipped_nov29e"), ("shipped_nov29g",),
     ("shipped_dec01",), ("machine10_dec02",), ("machine11_dec02",), ("s5_6_dec02",), ("s7_9_dec03",),
     ("machine12_dec03",), ("machine13_dec03",), ("anchor09_dec03",), ("machine14_dec03",), ("pair_dec04_r1",),
-    ("machine18_dec04",), ("causal_dec04",),
+    ("machine18_dec04",), ("causal_dec04",), ("ul1_dec04",), ("ul1_dec04m20",), ("shipped_dec04m20",),
 )
-"""The measurements of the config `make run` shipped on their day, or of a change to it that computed the same
-updates (docs/learning.md says which is which), in the order taken; each the runs of one or more
+"""The measurements of the config `make run` shipped on their day, of a change to it that computed the same
+updates, or of the next config measured before it shipped (`ul1_dec04`, `ul1_dec04m20`: the unlikelihood term,
+shipped on 2026-12-04; docs/learning.md says which is which), in the order taken; each the runs of one or more
 `learning_runs-frozen_lake_<name>.csv` (a measurement of three written in two parts)."""
 REACHED, FLOOR, MEDIAN, BY_MINUTES = 0.6, 0.5, 0.7, 15
 """Issue 16's bars: >= 0.6 within 15 minutes, never back below 0.5 after, a median of three >= 0.7."""

@@ -38,8 +38,8 @@ import numpy as np
 import torch
 from transformers import AutoTokenizer
 
-from rollstream.consumer.learn.policy_learner import UpdateSettings, ppo_update
 import rollstream.consumer.learn.strategy as strategy_module
+from rollstream.consumer.learn.policy_learner import UpdateSettings, ppo_update
 from rollstream.consumer.learn.strategy import ModelSettings, OptimSettings
 from rollstream.consumer.learn.strategy.torch_strategy import TorchStrategy
 from rollstream.consumer.learn.tensors import TokenBatch, build_token_batch
