@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as transformers_logging
 
@@ -43,6 +42,7 @@ from rollstream.consumer.learn.state_file import load_state, save_state
 from rollstream.consumer.learn.strategy.torch_strategy import CHECKPOINT_FILE
 from rollstream.producer.policy.conversation import ChatTemplateDeltas
 from rollstream.shared.envs.frozen_lake import FrozenLakeEnv
+from rollstream.shared.weights_io import load_safetensors_dir
 from rollstream.tiny_model import format_valid_rate, random_valid_conversation
 
 LM_HEAD = "lm_head.weight"
@@ -129,7 +129,7 @@ def main() -> None:
         write_checkpoint(broken, args.checkpoint, target)
         print(f"alpha {alpha:g}: valid replies {valid_rate(broken, args.model_dir, args.prompts):.3f} -> {target}")
     if args.weights is not None:
-        published = {**state, "model": load_file(args.weights / "model.safetensors")}
+        published = {**state, "model": load_safetensors_dir(args.weights)}
         if published["model"].keys() != state["model"].keys():
             raise SystemExit(f"{args.weights} holds other tensors than the checkpoint's model")
         target = args.out / args.weights.name / "step_0"

@@ -57,6 +57,11 @@ class Entry:
     item: Trajectory | GroupDropNotice
 
 
+def _group_missing(error: redis.ResponseError) -> bool:
+    """Redis's NOGROUP: the stream or its consumer group is gone (a server that restarted without persistence)."""
+    return "NOGROUP" in str(error)
+
+
 class StreamReader:
     def __init__(self, client: redis.Redis, keys: Keys, stream: str, consumer: str, *,
                  count: int = 128, block_ms: int = 2000) -> None:
@@ -100,7 +105,7 @@ class StreamReader:
         try:
             summary = self.client.xpending(self.stream, TRAINER_GROUP)
         except redis.ResponseError as e:
-            if "NOGROUP" not in str(e):
+            if not _group_missing(e):
                 raise
             # The group vanished with a Redis that came back empty: nothing is pending; `read` recreates the group,
             # and the ledger's check of the committed version stops the run with one line.
@@ -118,7 +123,7 @@ class StreamReader:
                 TRAINER_GROUP, self.consumer, {self.stream: cursor}, count=self.count,
                 block=None if rereading else self.block_ms))
         except redis.ResponseError as e:
-            if "NOGROUP" not in str(e):
+            if not _group_missing(e):
                 raise
             # The stream or group vanished (a Redis restarted without persistence): recreate and go on.
             log.warning("consumer group missing on %s, recreating it", self.stream)
