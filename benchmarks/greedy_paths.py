@@ -1,6 +1,7 @@
 """What a run's policy does on its held-out maps, checkpoint by checkpoint: greedy moves and think paths.
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/greedy_paths.py OUTPUT_DIR [--steps 0 50 100 150] [--tag TAG]
+        [--maps N] [--sampled-rounds R]
 
 Diagnostic only. For each step (0: the warm-started model in `OUTPUT_DIR/tiny_model`; N: the `torch_train`
 checkpoint `OUTPUT_DIR/checkpoints/step_N`), the run's held-out maps of `TAG` (the validation's seeds; the
@@ -9,12 +10,17 @@ sampled at the config's temperature. It prints success, the first moves greedy d
 fixed move on every map: the policy does not read the map), the share of replies that open a `<think>`, the share
 of valid moves that leave the state as it was (a walk into a wall) and the share of episodes that come back to a
 state they left (a loop) on each path: greedy decoding can settle on a path that sampling, and so RL, rarely takes.
+
+`--maps N` plays N held-out maps instead of the validation's count; the first ones are the validation's own (a
+map's seed is a function of the run's seed and its index), so the table also gives greedy success on those alone
+beside all N: how far a validation round's figure, on its few maps, lies from the policy's rate on many.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import shutil
 import tempfile
 from collections import Counter
@@ -31,7 +37,7 @@ from rollstream.producer.policy.factory import chat_template_of
 from rollstream.producer.policy.hf import HFPolicy
 from rollstream.shared.config import RollstreamConfig, load_config
 from rollstream.shared.envs.registry import make_env
-from rollstream.shared.schema import Trajectory
+from rollstream.shared.schema import Trajectory, parse_group_id
 from rollstream.shared.seeding import held_out_seed
 
 SAMPLED_ROUNDS = 2
@@ -48,10 +54,9 @@ def model_at(run: Path, step: int, into: Path) -> Path:
 
 
 async def play_held_out(
-    cfg: RollstreamConfig, tag: str, policy: HFPolicy, sampling: Sampling, rounds: int
+    cfg: RollstreamConfig, tag: str, policy: HFPolicy, sampling: Sampling, rounds: int, maps: int
 ) -> list[Trajectory]:
-    """Every held-out map `rounds` times, all at once (the backend batches the requests)."""
-    maps = cfg.val_env_manager.num_env_groups
+    """Held-out maps 0..maps-1, each `rounds` times, all at once (the backend batches the requests)."""
 
     async def play(g: int) -> Trajectory:
         spec = EpisodeSpec("val", tag, g, 0, 0, held_out_seed(cfg.seed, g), 0)
@@ -61,13 +66,16 @@ async def play_held_out(
     return list(await asyncio.gather(*(play(g) for _ in range(rounds) for g in range(maps))))
 
 
-async def greedy_and_sampled(cfg: RollstreamConfig, tag: str, model: Path) -> tuple[list[Trajectory], list[Trajectory]]:
+async def greedy_and_sampled(
+    cfg: RollstreamConfig, tag: str, model: Path, maps: int, sampled_rounds: int = SAMPLED_ROUNDS
+) -> tuple[list[Trajectory], list[Trajectory]]:
     max_tokens = cfg.reply_tokens(tag)
     policy = HFPolicy(model, seed=cfg.seed)
     try:
-        greedy = await play_held_out(cfg, tag, policy, Sampling.greedy(max_tokens, cfg.actor_infer.generating_args), 1)
+        greedy_sampling = Sampling.greedy(max_tokens, cfg.actor_infer.generating_args)
+        greedy = await play_held_out(cfg, tag, policy, greedy_sampling, 1, maps)
         sampled = Sampling.training(max_tokens, cfg.actor_infer.generating_args)
-        return greedy, await play_held_out(cfg, tag, policy, sampled, SAMPLED_ROUNDS)
+        return greedy, await play_held_out(cfg, tag, policy, sampled, sampled_rounds, maps)
     finally:
         await policy.close()
 
@@ -88,26 +96,39 @@ def path_figures(trajs: list[Trajectory]) -> str:
             f"{loop_share(trajs):.2f}")
 
 
+def success_spread(greedy: list[Trajectory], val_maps: int) -> str:
+    """Greedy success on the validation's own maps, then on all of them with its binomial standard error."""
+    ordered = sorted(greedy, key=lambda t: parse_group_id(t.group_id)[2])
+    on_val = per_tag_stats("g", ordered[:val_maps])["g/success"]
+    on_all = per_tag_stats("g", ordered)["g/success"]
+    return f"{on_val:.2f} | {on_all:.3f} +- {math.sqrt(on_all * (1 - on_all) / len(ordered)):.3f}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("run", type=Path, help="a run's output dir (config.yaml, tiny_model, checkpoints)")
     parser.add_argument("--steps", type=int, nargs="+", default=[0, 50, 100, 150])
     parser.add_argument("--tag", help="the env tag to play (default: the config's first validation tag)")
+    parser.add_argument("--maps", type=int, help="held-out maps to play (default: as many as validation plays)")
+    parser.add_argument("--sampled-rounds", type=int, default=SAMPLED_ROUNDS)
     args = parser.parse_args()
     cfg = load_config(args.run / "config.yaml")
     tag = args.tag or cfg.val_env_manager.tags[0]
-    print(f"{args.run}: {cfg.val_env_manager.num_env_groups} held-out {tag} maps, greedy once, "
-          f"sampled {SAMPLED_ROUNDS}x; each path: success, replies opening a think, valid moves that change "
-          "nothing, episodes that loop back")
+    val_maps = cfg.val_env_manager.num_env_groups
+    maps = args.maps or val_maps
+    print(f"{args.run}: {maps} held-out {tag} maps, greedy once, sampled {args.sampled_rounds}x; each path: "
+          "success, replies opening a think, valid moves that change nothing, episodes that loop back")
     print("| step | greedy first moves | greedy: success / think / no effect / loop | "
-          "sampled: success / think / no effect / loop |")
-    print("|---|---|---|---|")
+          f"sampled: success / think / no effect / loop | greedy on validation's {val_maps} | on all {maps} |")
+    print("|---|---|---|---|---|---|")
     for step in args.steps:
         with tempfile.TemporaryDirectory() as tmp:
-            g, s = asyncio.run(greedy_and_sampled(cfg, tag, model_at(args.run, step, Path(tmp) / "model")))
+            model = model_at(args.run, step, Path(tmp) / "model")
+            g, s = asyncio.run(greedy_and_sampled(cfg, tag, model, maps, args.sampled_rounds))
         first = Counter(t.turns[0].action if t.turns else None for t in g)
         moves = ", ".join(f"{move} {n}" for move, n in first.most_common())
-        print(f"| {step} | {moves} | {path_figures(g)} | {path_figures(s)} |", flush=True)
+        print(f"| {step} | {moves} | {path_figures(g)} | {path_figures(s) if s else '-'} | "
+              f"{success_spread(g, val_maps)} |", flush=True)
 
 
 if __name__ == "__main__":
