@@ -37,7 +37,7 @@ from rollstream.producer.policy.factory import chat_template_of
 from rollstream.producer.policy.hf import HFPolicy
 from rollstream.shared.config import RollstreamConfig, load_config
 from rollstream.shared.envs.registry import make_env
-from rollstream.shared.schema import Trajectory, parse_group_id
+from rollstream.shared.schema import Trajectory
 from rollstream.shared.seeding import held_out_seed
 
 SAMPLED_ROUNDS = 2
@@ -98,7 +98,7 @@ def path_figures(trajs: list[Trajectory]) -> str:
 
 def success_spread(greedy: list[Trajectory], val_maps: int) -> str:
     """Greedy success on the validation's own maps, then on all of them with its binomial standard error."""
-    ordered = sorted(greedy, key=lambda t: parse_group_id(t.group_id)[2])
+    ordered = sorted(greedy, key=lambda t: t.group_index)
     on_val = per_tag_stats("g", ordered[:val_maps])["g/success"]
     on_all = per_tag_stats("g", ordered)["g/success"]
     return f"{on_val:.2f} | {on_all:.3f} +- {math.sqrt(on_all * (1 - on_all) / len(ordered)):.3f}"
