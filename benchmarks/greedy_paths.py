@@ -1,7 +1,7 @@
 """What a run's policy does on its held-out maps, checkpoint by checkpoint: greedy moves and think paths.
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/greedy_paths.py OUTPUT_DIR [--steps 0 50 100 150] [--tag TAG]
-        [--maps N] [--sampled-rounds R]
+        [--maps N] [--sampled-rounds R] [--json PATH]
 
 Diagnostic only. For each step (0: the warm-started model in `OUTPUT_DIR/tiny_model`; N: the `torch_train`
 checkpoint `OUTPUT_DIR/checkpoints/step_N`), the run's held-out maps of `TAG` (the validation's seeds; the
@@ -14,12 +14,14 @@ state they left (a loop) on each path: greedy decoding can settle on a path that
 `--maps N` plays N held-out maps instead of the validation's count; the first ones are the validation's own (a
 map's seed is a function of the run's seed and its index), so the table also gives greedy success on those alone
 beside all N: how far a validation round's figure, on its few maps, lies from the policy's rate on many.
+`--json PATH` also writes those two figures per step (`benchmarks/learning_runs.py --checkpoint-maps N` reads them).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import math
 import shutil
 import tempfile
@@ -96,12 +98,18 @@ def path_figures(trajs: list[Trajectory]) -> str:
             f"{loop_share(trajs):.2f}")
 
 
-def success_spread(greedy: list[Trajectory], val_maps: int) -> str:
-    """Greedy success on the validation's own maps, then on all of them with its binomial standard error."""
+def success_on(greedy: list[Trajectory], val_maps: int) -> dict[str, float]:
+    """Greedy success on the validation's own maps (the first `val_maps`) and on all that were played."""
     ordered = sorted(greedy, key=lambda t: t.group_index)
-    on_val = per_tag_stats("g", ordered[:val_maps])["g/success"]
-    on_all = per_tag_stats("g", ordered)["g/success"]
-    return f"{on_val:.2f} | {on_all:.3f} +- {math.sqrt(on_all * (1 - on_all) / len(ordered)):.3f}"
+    return {"val_maps": per_tag_stats("g", ordered[:val_maps])["g/success"],
+            "all_maps": per_tag_stats("g", ordered)["g/success"]}
+
+
+def success_spread(greedy: list[Trajectory], val_maps: int) -> str:
+    """The two figures of `success_on`, the second with its binomial standard error."""
+    on = success_on(greedy, val_maps)
+    error = math.sqrt(on["all_maps"] * (1 - on["all_maps"]) / len(greedy))
+    return f"{on['val_maps']:.2f} | {on['all_maps']:.3f} +- {error:.3f}"
 
 
 def main() -> None:
@@ -111,6 +119,7 @@ def main() -> None:
     parser.add_argument("--tag", help="the env tag to play (default: the config's first validation tag)")
     parser.add_argument("--maps", type=int, help="held-out maps to play (default: as many as validation plays)")
     parser.add_argument("--sampled-rounds", type=int, default=SAMPLED_ROUNDS)
+    parser.add_argument("--json", type=Path, help="also write greedy success per step here (maps, val_maps, steps)")
     args = parser.parse_args()
     cfg = load_config(args.run / "config.yaml")
     tag = args.tag or cfg.val_env_manager.tags[0]
@@ -121,6 +130,7 @@ def main() -> None:
     print("| step | greedy first moves | greedy: success / think / no effect / loop | "
           f"sampled: success / think / no effect / loop | greedy on validation's {val_maps} | on all {maps} |")
     print("|---|---|---|---|---|---|")
+    per_step = {}
     for step in args.steps:
         with tempfile.TemporaryDirectory() as tmp:
             model = model_at(args.run, step, Path(tmp) / "model")
@@ -129,6 +139,9 @@ def main() -> None:
         moves = ", ".join(f"{move} {n}" for move, n in first.most_common())
         print(f"| {step} | {moves} | {path_figures(g)} | {path_figures(s) if s else '-'} | "
               f"{success_spread(g, val_maps)} |", flush=True)
+        per_step[step] = success_on(g, val_maps)
+    if args.json:
+        args.json.write_text(json.dumps({"maps": maps, "val_maps": val_maps, "steps": per_step}, indent=1))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """The main job run N times with different seeds: what a user sees is the distribution, not one draw.
 
     .venv/bin/python benchmarks/learning_runs.py --runs 3 [--config configs/frozen_lake.yaml]
-        [--stop-after-minutes M] [--minutes 5 10 15] [key=value ...]
+        [--stop-after-minutes M] [--checkpoint-maps N] [--minutes 5 10 15] [key=value ...]
 
 Each run is `rollstream run CONFIG seed=S` in its own output dir, with its own embedded Redis; the seed also
 builds its own tiny model (tokenizer, initial weights and format warm start), so runs differ the way two users'
@@ -19,6 +19,12 @@ good round and a later peak shows there), and writes:
   and the largest approximate KL of a step);
 - `benchmarks/results/learning_runs-<exp>.png`: every run's held-out curves on a wall-clock axis, with the
   reference policies on the first seed's held-out maps drawn as dashed lines (computed here, as validation does).
+
+Validation plays the same few held-out maps every round (64 in the main job), an offset of their draw that no
+number of rounds or runs of a seed averages out. `--checkpoint-maps N` plays each run's checkpoints greedily on N
+held-out maps once every run has ended (`benchmarks/greedy_paths.py --maps N`, ~30 s a checkpoint at 1,024 maps on
+2 cores; kept in the run's dir, so a second report reuses them) and adds, per mark, the figure of the last
+checkpoint by then on those N maps to the table and the CSV.
 """
 
 from __future__ import annotations
@@ -68,6 +74,8 @@ class Run:
     """The config's; a run whose records end before a mark without reaching it was stopped early."""
     label: str = ""
     """The run's output dir name (`seed7`, or `seed42-2` for a seed's second run), for the plot's legend."""
+    checkpoint_success: dict[int, float] = field(default_factory=dict)
+    """Greedy success of each checkpoint (by step) on `--checkpoint-maps` held-out maps; empty when not asked."""
 
     def curve(self, key: str) -> list[tuple[float, float]]:
         return [(r["minutes"], r[key]) for r in self.records if key in r]
@@ -79,6 +87,14 @@ class Run:
             return None
         points = [v for m, v in self.curve(key) if minutes is None or m <= minutes]
         return points[-1] if points else None
+
+    def at_checkpoint(self, minutes: float | None) -> float | None:
+        """`checkpoint_success` of the last checkpoint by `minutes` into the run (None: the last of all)."""
+        if not self.checkpoint_success or (minutes is not None and self.stopped_before(minutes)):
+            return None
+        when = {int(r["step"]): r["minutes"] for r in reversed(self.records)}  # each step's first record
+        steps = [s for s in sorted(self.checkpoint_success) if minutes is None or when.get(s, float("inf")) <= minutes]
+        return self.checkpoint_success[steps[-1]] if steps else None
 
     def stopped_before(self, minutes: float) -> bool:
         last = self.records[-1] if self.records else None
@@ -166,12 +182,27 @@ def load_run(out: Path, seed: int) -> Run:
     return Run(seed, build_s, records, label=out.name)
 
 
+def checkpoint_success(out: Path, maps: int) -> dict[int, float]:
+    """Greedy success of each of the run's checkpoints on `maps` held-out maps, played once and kept in its dir."""
+    steps = sorted(int(d.name.removeprefix("step_")) for d in (out / "checkpoints").glob("step_*"))
+    kept = out / f"checkpoint_maps_{maps}.json"
+    if not kept.exists() or set(json.loads(kept.read_text())["steps"]) != {str(s) for s in steps}:
+        if not steps:
+            return {}
+        print(f"--- {out.name}: checkpoints {steps} on {maps} held-out maps", flush=True)
+        subprocess.run([sys.executable, str(REPO / "benchmarks" / "greedy_paths.py"), str(out), "--steps",
+                        *map(str, steps), "--maps", str(maps), "--sampled-rounds", "0", "--json", str(kept)],
+                       check=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    return {int(step): f["all_maps"] for step, f in json.loads(kept.read_text())["steps"].items()}
+
+
 def references(config: Path, seed: int, overrides: list[str]) -> dict[str, float]:
     """The reference policies' success on the held-out maps that `seed` validates on (each seed has its own)."""
     return reference_stats(load_config(config, [*overrides, f"seed={seed}"]))
 
 
-def summary_rows(runs: list[Run], marks: Sequence[float] = MINUTES) -> list[list[str]]:
+def summary_rows(runs: list[Run], marks: Sequence[float] = MINUTES, checkpoint_maps: int | None = None
+                 ) -> list[list[str]]:
     def spread(values: list[float | None]) -> str:
         present = [v for v in values if v is not None]
         if not present:
@@ -182,6 +213,9 @@ def summary_rows(runs: list[Run], marks: Sequence[float] = MINUTES) -> list[list
     for minutes in (*marks, None):
         label = f"{minutes:g} min" if minutes else "end"
         rows.append([label, *(spread([r.at(key, minutes) for r in runs]) for key in CURVES.values())])
+        if checkpoint_maps:
+            rows.append([f"{label}, last checkpoint on {checkpoint_maps} maps",
+                         spread([r.at_checkpoint(minutes) for r in runs]), "-"])
     rows.append(["peak", *(spread([p[0] if (p := r.peak(key)) else None for r in runs]) for key in CURVES.values())])
     rows.append(["lowest after the peak", *(spread([r.low_after_peak(key) for r in runs]) for key in CURVES.values())])
     rows.append([f"lowest after first >= {REACHED:g}",
@@ -189,12 +223,16 @@ def summary_rows(runs: list[Run], marks: Sequence[float] = MINUTES) -> list[list
     return rows
 
 
-def write_csv(path: Path, env_name: str, runs: list[Run], marks: Sequence[float] = MINUTES) -> None:
+def write_csv(path: Path, env_name: str, runs: list[Run], marks: Sequence[float] = MINUTES,
+              checkpoint_maps: int | None = None) -> None:
     columns = ["env", "seed", "build_s", "steps", "run_minutes"]
     columns += [f"{name}_success_{m:g}min" for m in marks for name in CURVES] + [f"{n}_success_end" for n in CURVES]
     columns += [f"{n}_{what}" for n in CURVES for what in ("success_peak", "peak_minutes", "success_after_peak_min",
                                                            f"success_after_{REACHED:g}_min")]
     columns += list(EXTREMES)
+    if checkpoint_maps:
+        columns += [f"greedy_success_{m:g}min_{checkpoint_maps}maps" for m in marks]
+        columns += [f"greedy_success_end_{checkpoint_maps}maps"]
     with path.open("w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(columns)
@@ -205,6 +243,8 @@ def write_csv(path: Path, env_name: str, runs: list[Run], marks: Sequence[float]
                 peak = r.peak(key)
                 figures += [*(peak or (None, None)), r.low_after_peak(key), r.low_after_reaching(key)]
             figures += [r.extreme(name) for name in EXTREMES]
+            if checkpoint_maps:
+                figures += [r.at_checkpoint(m) for m in (*marks, None)]
             writer.writerow([env_name, r.seed, "" if r.build_s is None else round(r.build_s, 1),
                              int(r.records[-1]["step"]),
                              round(r.records[-1]["minutes"], 2),
@@ -249,6 +289,8 @@ def main() -> None:
     parser.add_argument("--minutes", type=float, nargs="+", default=list(MINUTES), metavar="M",
                         help="wall-clock marks of the table and the CSV (default: 5 10 15); "
                              "key=value overrides go before it (it takes every value that follows)")
+    parser.add_argument("--checkpoint-maps", type=int, default=None, metavar="N",
+                        help="also play each run's checkpoints greedily on N held-out maps (e.g. 1024)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides for every run")
     args = parser.parse_args()
     seeds = args.seeds or list(range(1, args.runs + 1))
@@ -261,17 +303,19 @@ def main() -> None:
     else:
         runs = [run_once(args.config, seed, out, args.overrides, args.stop_after_minutes)
                 for seed, out in zip(seeds, dirs)]
-    for run in runs:
+    for run, out in zip(runs, dirs):
         run.max_steps = cfg.max_steps
+        if args.checkpoint_maps:
+            run.checkpoint_success = checkpoint_success(out, args.checkpoint_maps)
 
     RESULTS.mkdir(parents=True, exist_ok=True)
     stem = RESULTS / f"learning_runs-{cfg.exp_name}"
-    write_csv(stem.with_suffix(".csv"), env_name, runs, args.minutes)
+    write_csv(stem.with_suffix(".csv"), env_name, runs, args.minutes, args.checkpoint_maps)
     refs = references(args.config, seeds[0], args.overrides)
     plot(stem.with_suffix(".png"), runs, refs, f"{cfg.exp_name}: {len(runs)} runs (seeds {', '.join(map(str, seeds))})")
     print(f"\n{cfg.exp_name} ({env_name}), {len(runs)} runs, seeds {seeds}; held-out success, min / median / max")
     print("| minutes into the run | greedy | sampled |\n|---|---|---|")
-    for row in summary_rows(runs, args.minutes):
+    for row in summary_rows(runs, args.minutes, args.checkpoint_maps):
         print("| " + " | ".join(row) + " |")
     for name in EXTREMES:
         values = [r.extreme(name) for r in runs]

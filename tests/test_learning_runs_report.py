@@ -39,6 +39,29 @@ def test_the_table_and_the_csv_carry_the_low_after_reaching(tmp_path) -> None:
     assert dict(zip(header.split(","), first.split(",")))["greedy_success_after_0.6_min"] == "0.4"
 
 
+def test_the_figure_on_more_maps_is_the_last_checkpoint_played_by_each_mark(tmp_path) -> None:
+    # rounds at steps 0, 10, ..., 50 at minutes 1, 4, 6, 9, 11, 16; checkpoints at steps 20 and 40 (6 and 11 min)
+    run = _run([(1, 0.0), (4, 0.3), (6, 0.6), (9, 0.7), (11, 0.72), (16, 0.7)])
+    run.checkpoint_success = {20: 0.55, 40: 0.66}
+    assert [run.at_checkpoint(m) for m in (5, 10, 15, None)] == [None, 0.55, 0.66, 0.66]
+    rows = {row[0]: row[1:] for row in learning_runs.summary_rows([run], marks=(10,), checkpoint_maps=1024)}
+    assert rows["10 min, last checkpoint on 1024 maps"] == ["0.55 / 0.55 / 0.55", "-"]
+    path = tmp_path / "runs.csv"
+    learning_runs.write_csv(path, "FrozenLake", [run], marks=(10,), checkpoint_maps=1024)
+    header, row = path.read_text().splitlines()
+    figures = dict(zip(header.split(","), row.split(",")))
+    assert (figures["greedy_success_10min_1024maps"], figures["greedy_success_end_1024maps"]) == ("0.55", "0.66")
+
+
+def test_checkpoints_played_once_are_read_back_not_played_again(tmp_path) -> None:
+    for step in (50, 100):
+        (tmp_path / "checkpoints" / f"step_{step}").mkdir(parents=True)
+    kept = {"maps": 1024, "val_maps": 64, "steps": {"50": {"val_maps": 0.72, "all_maps": 0.632},
+                                                     "100": {"val_maps": 0.69, "all_maps": 0.681}}}
+    (tmp_path / "checkpoint_maps_1024.json").write_text(json.dumps(kept))
+    assert learning_runs.checkpoint_success(tmp_path, 1024) == {50: 0.632, 100: 0.681}
+
+
 def test_a_run_stopped_before_a_mark_has_no_value_there_one_that_finished_keeps_its_last() -> None:
     curve = [(1, 0.1), (5, 0.4), (9, 0.5)]  # last record: step 20 at 9 minutes
     assert _run(curve, max_steps=400).at(KEY, 15) is None  # stopped (or cut off) at 9 minutes
