@@ -42,6 +42,9 @@ class RecordRun:
     sampled_at_15: float | None
     reached_by_15: bool
     low_after_reaching: float | None
+    at_15_on_many_maps: float | None = None
+    """The last checkpoint by 15 minutes on many held-out maps (`learning_runs.py --checkpoint-maps`), where
+    measured: validation's 64 maps are one fixed draw per seed."""
 
     @property
     def met(self) -> bool:
@@ -63,8 +66,9 @@ def read_runs(name: str, results: Path = RESULTS) -> list[RecordRun]:
             peak, peak_at = _number(row["greedy_success_peak"]), _number(row["greedy_peak_minutes"])
             reached = any(v is not None and v >= REACHED for v in marks) or (
                 peak is not None and peak >= REACHED and peak_at is not None and peak_at <= BY_MINUTES)
+            many = next((_number(v) for k, v in row.items() if k.startswith(f"greedy_success_{BY_MINUTES}min_")), None)
             runs.append(RecordRun(int(row["seed"]), marks[-1], _number(row[f"sampled_success_{BY_MINUTES}min"]),
-                                  reached, _number(row[f"greedy_success_after_{REACHED:g}_min"])))
+                                  reached, _number(row[f"greedy_success_after_{REACHED:g}_min"]), many))
     return runs
 
 
@@ -96,6 +100,12 @@ def main() -> None:
           f"measurements; make run's seed (42): {sum(r.met for r in own_seed)} of {len(own_seed)}; "
           f"every part held in {sum(map(whole_goal, threes))} of {len(threes)} measurements of three")
     lows = [r.low_after_reaching for r in runs if r.low_after_reaching is not None]
+    for name, rs in measurements.items():
+        many = [r.at_15_on_many_maps for r in rs]
+        if all(v is not None for v in many):
+            print(f"{name} on many held-out maps, the last checkpoint by {BY_MINUTES} min: "
+                  f"{' '.join(f'{v:.2f}' for v in many)} against {' '.join(f'{r.at_15 or 0:.2f}' for r in rs)} "
+                  "on validation's")
     print(f"greedy at 15 min {spread([r.at_15 for r in runs])}; sampled {spread([r.sampled_at_15 for r in runs])}; "
           f"lowest after first >= {REACHED:g} {spread(lows)} over {len(lows)} runs; "
           f"{sum(r.reached_by_15 for r in runs)} reached {REACHED:g} by {BY_MINUTES} min, "

@@ -111,6 +111,10 @@ def test_the_record_reads_the_csv_and_counts_a_dip_or_a_late_peak_against_a_run(
     record = learning_record.read_runs("t", tmp_path)
     assert [r.met for r in record] == [False, True, False]
     assert [r.at_15 for r in record] == [0.7, 0.72, 0.3]
+    assert [r.at_15_on_many_maps for r in record] == [None, None, None]  # no checkpoints played on more maps
+    runs[1].checkpoint_success = {20: 0.61}  # its round at step 20 came at 12 minutes
+    learning_runs.write_csv(tmp_path / "learning_runs-frozen_lake_m.csv", "FrozenLake", runs, checkpoint_maps=1024)
+    assert [r.at_15_on_many_maps for r in learning_record.read_runs("m", tmp_path)] == [None, 0.61, None]
     assert not learning_record.whole_goal(record)
     held = [learning_record.RecordRun(42, at, at, True, None) for at in (0.65, 0.7, 0.8)]
     assert learning_record.whole_goal(held) and not learning_record.whole_goal(held[:2])
