@@ -101,15 +101,15 @@ def path_figures(trajs: list[Trajectory]) -> str:
 def success_on(greedy: list[Trajectory], val_maps: int) -> dict[str, float]:
     """Greedy success on the validation's own maps (the first `val_maps`) and on all that were played."""
     ordered = sorted(greedy, key=lambda t: t.group_index)
-    return {"val_maps": per_tag_stats("g", ordered[:val_maps])["g/success"],
-            "all_maps": per_tag_stats("g", ordered)["g/success"]}
+    return {"on_val_maps": per_tag_stats("g", ordered[:val_maps])["g/success"],
+            "on_all_maps": per_tag_stats("g", ordered)["g/success"]}
 
 
 def success_spread(greedy: list[Trajectory], val_maps: int) -> str:
     """The two figures of `success_on`, the second with its binomial standard error."""
     on = success_on(greedy, val_maps)
-    error = math.sqrt(on["all_maps"] * (1 - on["all_maps"]) / len(greedy))
-    return f"{on['val_maps']:.2f} | {on['all_maps']:.3f} +- {error:.3f}"
+    error = math.sqrt(on["on_all_maps"] * (1 - on["on_all_maps"]) / len(greedy))
+    return f"{on['on_val_maps']:.2f} | {on['on_all_maps']:.3f} +- {error:.3f}"
 
 
 def main() -> None:

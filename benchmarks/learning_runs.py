@@ -185,15 +185,15 @@ def load_run(out: Path, seed: int) -> Run:
 def checkpoint_success(out: Path, maps: int) -> dict[int, float]:
     """Greedy success of each of the run's checkpoints on `maps` held-out maps, played once and kept in its dir."""
     steps = sorted(int(d.name.removeprefix("step_")) for d in (out / "checkpoints").glob("step_*"))
+    if not steps:
+        return {}
     kept = out / f"checkpoint_maps_{maps}.json"
     if not kept.exists() or set(json.loads(kept.read_text())["steps"]) != {str(s) for s in steps}:
-        if not steps:
-            return {}
         print(f"--- {out.name}: checkpoints {steps} on {maps} held-out maps", flush=True)
         subprocess.run([sys.executable, str(REPO / "benchmarks" / "greedy_paths.py"), str(out), "--steps",
                         *map(str, steps), "--maps", str(maps), "--sampled-rounds", "0", "--json", str(kept)],
                        check=True, env={**os.environ, "PYTHONPATH": str(REPO)})
-    return {int(step): f["all_maps"] for step, f in json.loads(kept.read_text())["steps"].items()}
+    return {int(step): f["on_all_maps"] for step, f in json.loads(kept.read_text())["steps"].items()}
 
 
 def references(config: Path, seed: int, overrides: list[str]) -> dict[str, float]:

@@ -56,8 +56,8 @@ def test_the_figure_on_more_maps_is_the_last_checkpoint_played_by_each_mark(tmp_
 def test_checkpoints_played_once_are_read_back_not_played_again(tmp_path) -> None:
     for step in (50, 100):
         (tmp_path / "checkpoints" / f"step_{step}").mkdir(parents=True)
-    kept = {"maps": 1024, "val_maps": 64, "steps": {"50": {"val_maps": 0.72, "all_maps": 0.632},
-                                                     "100": {"val_maps": 0.69, "all_maps": 0.681}}}
+    kept = {"maps": 1024, "val_maps": 64, "steps": {"50": {"on_val_maps": 0.72, "on_all_maps": 0.632},
+                                                     "100": {"on_val_maps": 0.69, "on_all_maps": 0.681}}}
     (tmp_path / "checkpoint_maps_1024.json").write_text(json.dumps(kept))
     assert learning_runs.checkpoint_success(tmp_path, 1024) == {50: 0.632, 100: 0.681}
 
