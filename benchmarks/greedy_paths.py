@@ -45,9 +45,21 @@ from rollstream.shared.seeding import held_out_seed
 SAMPLED_ROUNDS = 2
 
 
-def model_at(run: Path, step: int, into: Path) -> Path:
-    """The run's tiny model with the weights of checkpoint `step` (0: as built)."""
-    shutil.copytree(run / "tiny_model", into)
+def base_model(run: Path, pretrain: str | None) -> Path:
+    """The model the run started from: the tiny model it built in its dir, or the one its config loaded (a run
+    on another run's build, `pretrain=<dir> tiny_model.build=false`)."""
+    built = run / "tiny_model"
+    if built.is_dir():
+        return built
+    if pretrain and Path(pretrain).is_dir():
+        return Path(pretrain)
+    raise SystemExit(f"{run}: no tiny_model dir and its config's pretrain ({pretrain}) is not a dir; "
+                     "play a run whose starting model is still on disk")
+
+
+def model_at(base: Path, run: Path, step: int, into: Path) -> Path:
+    """The base model with the weights of the run's checkpoint `step` (0: as it started)."""
+    shutil.copytree(base, into)
     if step:
         checkpoint = strategy_dir(run / "checkpoints" / f"step_{step}") / CHECKPOINT_FILE
         weights = load_state(checkpoint)["model"]
@@ -114,7 +126,8 @@ def success_spread(greedy: list[Trajectory], val_maps: int) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("run", type=Path, help="a run's output dir (config.yaml, tiny_model, checkpoints)")
+    parser.add_argument("run", type=Path,
+                        help="a run's output dir (config.yaml, checkpoints; its tiny_model unless it loaded another's)")
     parser.add_argument("--steps", type=int, nargs="+", default=[0, 50, 100, 150])
     parser.add_argument("--tag", help="the env tag to play (default: the config's first validation tag)")
     parser.add_argument("--maps", type=int, help="held-out maps to play (default: as many as validation plays)")
@@ -131,9 +144,10 @@ def main() -> None:
           f"sampled: success / think / no effect / loop | greedy on validation's {val_maps} | on all {maps} |")
     print("|---|---|---|---|---|---|")
     per_step = {}
+    base = base_model(args.run, cfg.pretrain)
     for step in args.steps:
         with tempfile.TemporaryDirectory() as tmp:
-            model = model_at(args.run, step, Path(tmp) / "model")
+            model = model_at(base, args.run, step, Path(tmp) / "model")
             g, s = asyncio.run(greedy_and_sampled(cfg, tag, model, maps, args.sampled_rounds))
         first = Counter(t.turns[0].action if t.turns else None for t in g)
         moves = ", ".join(f"{move} {n}" for move, n in first.most_common())
