@@ -25,7 +25,7 @@ RECORD = (
     ("shipped_dec01",), ("machine10_dec02",), ("machine11_dec02",), ("s5_6_dec02",), ("s7_9_dec03",),
     ("machine12_dec03",), ("machine13_dec03",), ("anchor09_dec03",), ("machine14_dec03",), ("pair_dec04_r1",),
     ("machine18_dec04",), ("causal_dec04",), ("ul1_dec04",), ("ul1_dec04m20",), ("shipped_dec04m20",),
-    ("shipped_m21",), ("s1_3_m21",), ("s2_again_m21",), ("wall_ctrl",), ("machine23",),
+    ("shipped_m21",), ("s1_3_m21",), ("s2_again_m21",), ("wall_ctrl",), ("machine23",), ("ctrl_m24",),
 )
 """The measurements of the config `make run` shipped on their day, of a change to it that computed the same
 updates, or of the next config measured before it shipped (`ul1_dec04`, `ul1_dec04m20`: the unlikelihood term,
