@@ -72,6 +72,11 @@ def read_runs(name: str, results: Path = RESULTS) -> list[RecordRun]:
     return runs
 
 
+def figures(values: Sequence[float | None]) -> str:
+    """Each run's figure in order, `-` where it has none."""
+    return " ".join("-" if v is None else f"{v:.2f}" for v in values)
+
+
 def spread(values: Sequence[float | None]) -> str:
     present = [v for v in values if v is not None]
     return f"{min(present):.2f} / {statistics.median(present):.2f} / {max(present):.2f}" if present else "-"
@@ -92,20 +97,19 @@ def main() -> None:
     for name, rs in measurements.items():
         whole = ("yes" if whole_goal(rs) else "no") if len(rs) == 3 else "-"
         print(f"| {name} | {' '.join(str(r.seed) for r in rs)} | "
-              f"{' '.join('-' if r.at_15 is None else f'{r.at_15:.2f}' for r in rs)} | "
+              f"{figures([r.at_15 for r in rs])} | "
               f"{sum(r.met for r in rs)} of {len(rs)} | {whole} |")
     threes = [rs for rs in measurements.values() if len(rs) == 3]
     own_seed = [r for r in runs if r.seed == 42]
     print(f"\n{sum(r.met for r in runs)} of {len(runs)} runs met their own parts over {len(measurements)} "
           f"measurements; make run's seed (42): {sum(r.met for r in own_seed)} of {len(own_seed)}; "
           f"every part held in {sum(map(whole_goal, threes))} of {len(threes)} measurements of three")
-    lows = [r.low_after_reaching for r in runs if r.low_after_reaching is not None]
     for name, rs in measurements.items():
         many = [r.at_15_on_many_maps for r in rs]
         if all(v is not None for v in many):
-            print(f"{name} on many held-out maps, the last checkpoint by {BY_MINUTES} min: "
-                  f"{' '.join(f'{v:.2f}' for v in many)} against {' '.join(f'{r.at_15 or 0:.2f}' for r in rs)} "
-                  "on validation's")
+            print(f"{name} on many held-out maps, the last checkpoint by {BY_MINUTES} min: {figures(many)} "
+                  f"against {figures([r.at_15 for r in rs])} on validation's")
+    lows = [r.low_after_reaching for r in runs if r.low_after_reaching is not None]
     print(f"greedy at 15 min {spread([r.at_15 for r in runs])}; sampled {spread([r.sampled_at_15 for r in runs])}; "
           f"lowest after first >= {REACHED:g} {spread(lows)} over {len(lows)} runs; "
           f"{sum(r.reached_by_15 for r in runs)} reached {REACHED:g} by {BY_MINUTES} min, "
