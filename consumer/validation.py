@@ -26,6 +26,11 @@ from rollstream.shared.seeding import held_out_seed
 
 log = logging.getLogger(__name__)
 
+RECORD_MAPS = 64
+"""Validation's map count until 2026-12-05: a round over more maps also reports greedy success on its first
+RECORD_MAPS (the same maps, since a val group's map depends only on its index), so a curve on more maps still
+reads against the FrozenLake record kept on these (docs/learning.md)."""
+
 
 class Validator:
     def __init__(self, client: redis.Redis, cfg: RollstreamConfig, consumer: str = "trainer-0") -> None:
@@ -53,6 +58,8 @@ class Validator:
         greedy = [t for t in trajs if t.member == VAL_GREEDY_MEMBER]
         sampled = [t for t in trajs if t.member != VAL_GREEDY_MEMBER]
         stats = per_tag_stats("val", greedy) | per_tag_stats("val_sampled", sampled) | self.references
+        if len(self.cfg.val_layout.groups) > RECORD_MAPS:
+            stats |= first_maps_success(greedy, RECORD_MAPS)
         stats |= {"val/episodes": float(len(trajs)), "val/failed": float(failed),
                   "val/missing": float(self.expected - len(trajs) - failed), "time/val_s": time.monotonic() - start}
         return stats
@@ -88,6 +95,12 @@ class Validator:
             log.warning("validation round %d: %d of %d episodes arrived within group_timeout_s",
                         round_, done(), self.expected)
         return list(trajs.values()), done() - len(trajs)
+
+
+def first_maps_success(greedy: list[Trajectory], maps: int) -> dict[str, float]:
+    """`val_first<maps>/success`: greedy success on the val groups with index below `maps`."""
+    head = [t.success for t in greedy if t.group_index < maps]
+    return {f"val_first{maps}/success": sum(head) / len(head)} if head else {}
 
 
 def reference_stats(cfg: RollstreamConfig) -> dict[str, float]:
