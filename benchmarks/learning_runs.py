@@ -1,7 +1,7 @@
 """The main job run N times with different seeds: what a user sees is the distribution, not one draw.
 
     .venv/bin/python benchmarks/learning_runs.py --runs 3 [--config configs/frozen_lake.yaml]
-        [--stop-after-minutes M] [--checkpoint-maps N] [--minutes 5 10 15] [key=value ...]
+        [--stop-after-minutes M] [--checkpoint-maps N] [--first-maps N] [--minutes 5 10 15] [key=value ...]
 
 Each run is `rollstream run CONFIG seed=S` in its own output dir, with its own embedded Redis; the seed also
 builds its own tiny model (tokenizer, initial weights and format warm start), so runs differ the way two users'
@@ -24,7 +24,9 @@ Validation plays the same few held-out maps every round (64 in the main job), an
 number of rounds or runs of a seed averages out. `--checkpoint-maps N` plays each run's checkpoints greedily on N
 held-out maps once every run has ended (`benchmarks/greedy_paths.py --maps N`, ~30 s a checkpoint at 1,024 maps on
 2 cores; kept in the run's dir, so a second report reuses them) and adds, per mark, the figure of the last
-checkpoint by then on those N maps to the table and the CSV.
+checkpoint by then on those N maps to the table and the CSV. `--first-maps N` reports runs validated on more
+maps as validation on their first N would have read them (greedy only), into `learning_runs-<exp>-firstN`: a
+record kept on N maps goes on from such runs.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from rollstream.consumer.metrics import RECORD
@@ -76,6 +78,15 @@ class Run:
     """The run's output dir name (`seed7`, or `seed42-2` for a seed's second run), for the plot's legend."""
     checkpoint_success: dict[int, float] = field(default_factory=dict)
     """Greedy success of each checkpoint (by step) on `--checkpoint-maps` held-out maps; empty when not asked."""
+
+    def on_first_maps(self, maps: int) -> Run:
+        """This run as validation on its first `maps` maps would have read it: the greedy curve from
+        `val_first<maps>/success` (logged by rounds over more maps), no sampled curve (rounds log it over all)."""
+        greedy, dropped = CURVES["greedy"], set(CURVES.values())
+        records = [{**{k: v for k, v in r.items() if k not in dropped},
+                    **({greedy: r[f"val_first{maps}/success"]} if f"val_first{maps}/success" in r else {})}
+                   for r in self.records]
+        return replace(self, records=records, checkpoint_success={})
 
     def curve(self, key: str) -> list[tuple[float, float]]:
         return [(r["minutes"], r[key]) for r in self.records if key in r]
@@ -291,6 +302,9 @@ def main() -> None:
                              "key=value overrides go before it (it takes every value that follows)")
     parser.add_argument("--checkpoint-maps", type=int, default=None, metavar="N",
                         help="also play each run's checkpoints greedily on N held-out maps (e.g. 1024)")
+    parser.add_argument("--first-maps", type=int, default=None, metavar="N",
+                        help="runs validated on more maps, reported greedy on their first N (val_first<N>/success) "
+                             "into learning_runs-<exp>-first<N>.{csv,png}, the references on those N maps")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides for every run")
     args = parser.parse_args()
     seeds = args.seeds or list(range(1, args.runs + 1))
@@ -308,12 +322,19 @@ def main() -> None:
         if args.checkpoint_maps:
             run.checkpoint_success = checkpoint_success(out, args.checkpoint_maps)
 
+    name, ref_overrides = cfg.exp_name, args.overrides
+    if args.first_maps:
+        runs = [run.on_first_maps(args.first_maps) for run in runs]
+        name += f"-first{args.first_maps}"
+        ref_overrides = [*args.overrides, f"val_env_manager.num_env_groups={args.first_maps}"]
+        args.checkpoint_maps = None  # checkpoints are played on maps of their own, not the ones this view reads
+
     RESULTS.mkdir(parents=True, exist_ok=True)
-    stem = RESULTS / f"learning_runs-{cfg.exp_name}"
+    stem = RESULTS / f"learning_runs-{name}"
     write_csv(stem.with_suffix(".csv"), env_name, runs, args.minutes, args.checkpoint_maps)
-    refs = references(args.config, seeds[0], args.overrides)
-    plot(stem.with_suffix(".png"), runs, refs, f"{cfg.exp_name}: {len(runs)} runs (seeds {', '.join(map(str, seeds))})")
-    print(f"\n{cfg.exp_name} ({env_name}), {len(runs)} runs, seeds {seeds}; held-out success, min / median / max")
+    refs = references(args.config, seeds[0], ref_overrides)
+    plot(stem.with_suffix(".png"), runs, refs, f"{name}: {len(runs)} runs (seeds {', '.join(map(str, seeds))})")
+    print(f"\n{name} ({env_name}), {len(runs)} runs, seeds {seeds}; held-out success, min / median / max")
     print("| minutes into the run | greedy | sampled |\n|---|---|---|")
     for row in summary_rows(runs, args.minutes, args.checkpoint_maps):
         print("| " + " | ".join(row) + " |")

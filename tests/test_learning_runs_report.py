@@ -120,3 +120,12 @@ def test_the_record_reads_the_csv_and_counts_a_dip_or_a_late_peak_against_a_run(
     assert learning_record.whole_goal(held) and not learning_record.whole_goal(held[:2])
     low_median = [learning_record.RecordRun(42, at, at, True, None) for at in (0.65, 0.69, 0.8)]
     assert not learning_record.whole_goal(low_median)
+
+
+def test_a_run_on_more_maps_reads_on_its_first_ones_greedy_only() -> None:
+    records = [{"step": 0, "minutes": 1, KEY: 0.5, "val_first64/success": 0.7, "val_sampled/success": 0.4},
+               {"step": 5, "minutes": 2, "rollout/success": 0.3}]
+    run = learning_runs.Run(1, None, records).on_first_maps(64)
+    assert run.curve(KEY) == [(1, 0.7)]
+    assert run.curve("val_sampled/success") == []  # logged over all the maps: not part of this view
+    assert run.curve("rollout/success") == [(2, 0.3)]
