@@ -106,7 +106,8 @@ def report(parts: Sequence[tuple[str, ...]], maps: int) -> None:
     threes = [rs for rs in measurements.values() if len(rs) == 3]
     own_seed = [r for r in runs if r.seed == 42]
     print(f"\n{sum(r.met for r in runs)} of {len(runs)} runs met their own parts over {len(measurements)} "
-          f"measurement{'s' * (len(measurements) != 1)}; make run's seed (42): {sum(r.met for r in own_seed)} of {len(own_seed)}; "
+          f"measurement{'s' * (len(measurements) != 1)}; "
+          f"make run's seed (42): {sum(r.met for r in own_seed)} of {len(own_seed)}; "
           f"every part held in {sum(map(whole_goal, threes))} of {len(threes)} measurements of three")
     for name, rs in measurements.items():
         many = [r.at_15_on_many_maps for r in rs]
