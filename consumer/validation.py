@@ -2,8 +2,8 @@
 
 Round n plays a fixed set of held-out episodes (the seed of val group g is a function of (seed, g) only, so
 every round plays the same maps and rounds compare): each map once greedily (`val/...`) and
-`val_sampled_episodes` times sampled as in training (`val_sampled/...`). Val trajectories travel on their own
-stream, `<ns>:val`, so they can never enter a train batch.
+`val_sampled_episodes` times sampled as in training (`val_sampled/...`; on the first `val_sampled_maps` only,
+where set). Val trajectories travel on their own stream, `<ns>:val`, so they can never enter a train batch.
 """
 
 from __future__ import annotations
@@ -37,8 +37,7 @@ class Validator:
         self.client = client
         self.cfg = cfg
         self.keys = Keys.for_exp(cfg.exp_name)
-        self.members = 1 + cfg.val_sampled_episodes
-        self.expected = len(cfg.val_layout.groups) * self.members
+        self.expected = sum(cfg.val_members(g.group_index) for g in cfg.val_layout.groups)
         self.reader = StreamReader(client, self.keys, self.keys.val, consumer,
                                    count=cfg.redis.read_count, block_ms=cfg.redis.block_ms)
         client.delete(self.keys.paused)  # a trainer that died mid-round must not leave producers paused
@@ -73,7 +72,7 @@ class Validator:
         failed: Counter[str] = Counter()  # notices per group: one per failed member
 
         def done() -> int:
-            return len(trajs) + sum(min(n, self.members) for n in failed.values())
+            return len(trajs) + sum(min(n, self.cfg.val_members(parse_group_id(g)[2])) for g, n in failed.items())
 
         while done() < self.expected and time.monotonic() < deadline:
             entries = self.reader.read()

@@ -42,8 +42,9 @@ class Player(Protocol):
 
 class ValidationPlayer:
     """This worker's share of the val groups (dealt round-robin over the train workers), played once per round
-    greedily (member 0) and `val_sampled_episodes` times at the training sampling settings (members 1..n), at
-    most val_env_manager.max_env_num_per_worker episodes at once."""
+    greedily (member 0) and `val_sampled_episodes` times at the training sampling settings (members 1..n; on the
+    first `val_sampled_maps` groups only, where set), at most val_env_manager.max_env_num_per_worker episodes at
+    once."""
 
     def __init__(self, worker: Player, val_layout: Layout | None) -> None:
         """`val_layout`: the val env manager's layout, None without validation."""
@@ -51,7 +52,6 @@ class ValidationPlayer:
         cfg = worker.cfg
         groups = val_layout.groups if val_layout else []
         self.groups = [g for g in groups if g.group_index % worker.layout.num_workers == worker.rank]
-        self.members = 1 + cfg.val_sampled_episodes
         self.concurrency = cfg.val_env_manager.max_env_num_per_worker
 
     async def play_round(self, round_: int, version: int) -> None:
@@ -62,7 +62,8 @@ class ValidationPlayer:
             async with slots:
                 await self._play(spec, round_, member)
 
-        await asyncio.gather(*(play(g, m) for g in self.groups for m in range(self.members)))
+        cfg = self.worker.cfg
+        await asyncio.gather(*(play(g, m) for g in self.groups for m in range(cfg.val_members(g.group_index))))
 
     async def _play(self, group: GroupSpec, round_: int, member: int) -> None:
         cfg, worker = self.worker.cfg, self.worker

@@ -74,6 +74,7 @@ def test_version_cap_holds_over_hundreds_of_steps(ratio: int, tmp_path, redis_se
         "actor_infer.strategy_args.strategy_config.delay_s=0.001", "eval_steps=50",
         "val_env_manager.num_env_groups=6", "val_env_manager.tags=[FrozenLake,SimpleSokoban]",
         "val_env_manager.num_groups_partition=[4,2]", "val_env_manager.max_env_num_per_worker=2",
+        "val_sampled_maps=4",
     )
     keys = Keys.for_exp(cfg.exp_name)
     learner = CheckingLearner(redis_client, keys, ratio, step_s=0.01)
@@ -88,7 +89,8 @@ def test_version_cap_holds_over_hundreds_of_steps(ratio: int, tmp_path, redis_se
     if ratio == 2:
         assert learner.max_in_flight > GROUPS_PER_BATCH  # generation really ran ahead of training
         assert learner.mixed_version_trajectories > 0  # weights changed mid-episode, turns say so
-    # Every round complete: 6 held-out episodes, each played greedily and once sampled.
-    assert summary.history["val/episodes"] == [(s, 12.0) for s in (0, 50, 100, 150)]
+    # Every round complete: 6 held-out maps, each played greedily, the first 4 (val_sampled_maps) once sampled too.
+    assert summary.history["val/episodes"] == [(s, 10.0) for s in (0, 50, 100, 150)]
+    assert summary.history["val/missing"] == [(s, 0.0) for s in (0, 50, 100, 150)]
     assert len(summary.history["val/FrozenLake/success"]) == len(summary.history["val_sampled/FrozenLake/success"]) == 4
     assert redis_client.xlen(keys.val) == 0 and not redis_client.exists(keys.paused)

@@ -35,6 +35,7 @@ def test_overrides_apply_and_interpolate(tmp_path: Path) -> None:
         ("weights_transport=s3", "weights_transport='s3': must be 'filesystem' or 'redis'"),
         ("weights_chunk_mb=0", "weights_chunk_mb=0: must be > 0.0"),
         ("val_sampled_episodes=-1", "val_sampled_episodes=-1: must be an integer >= 0"),
+        ("val_sampled_maps=0", "val_sampled_maps=0: must be an integer >= 1"),
         ("max_steps=zero", "max_steps='zero': must be an integer"),
         ("no_such_key=1", "unknown key 'no_such_key'; valid keys: exp_name, seed,"),
     ],
@@ -48,6 +49,13 @@ def test_bad_values_name_key_value_and_what_is_valid(override: str, message: str
 def test_uneven_split_without_partition_suggests_one() -> None:
     with pytest.raises(ConfigError, match=r"does not split evenly over 2 tags \(1 left over\).*\[5, 4\]"):
         load_config(CONFIG, ["train_env_manager.num_groups_partition=null", "train_env_manager.num_env_groups=9"])
+
+
+def test_validation_samples_only_its_first_maps_where_told() -> None:
+    every = load_config(CONFIG, ["val_sampled_episodes=2"])
+    assert [every.val_members(g) for g in (0, 3, 7)] == [3, 3, 3]
+    first = load_config(CONFIG, ["val_sampled_episodes=2", "val_sampled_maps=4"])
+    assert [first.val_members(g) for g in (0, 3, 4, 7)] == [3, 3, 1, 1]  # greedy only from map 4 on
 
 
 def test_missing_file_is_a_config_error(tmp_path: Path) -> None:
