@@ -20,7 +20,7 @@ good round and a later peak shows there), and writes:
 - `benchmarks/results/learning_runs-<exp>.png`: every run's held-out curves on a wall-clock axis, with the
   reference policies on the first seed's held-out maps drawn as dashed lines (computed here, as validation does).
 
-Validation plays the same few held-out maps every round (64 in the main job), an offset of their draw that no
+Validation plays the same few held-out maps every round (256 in the main job), an offset of their draw that no
 number of rounds or runs of a seed averages out. `--checkpoint-maps N` plays each run's checkpoints greedily on N
 held-out maps once every run has ended (`benchmarks/greedy_paths.py --maps N`, ~30 s a checkpoint at 1,024 maps on
 2 cores; kept in the run's dir, so a second report reuses them) and adds, per mark, the figure of the last
