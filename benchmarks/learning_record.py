@@ -130,5 +130,6 @@ def main() -> None:
     report((*RECORD, *(extras if args.maps == 64 else ())), 64)
     report((*RECORD_256, *(extras if args.maps == 256 else ())), 256)
 
+
 if __name__ == "__main__":
     main()

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from rollstream.consumer.metrics import RECORD
-from rollstream.consumer.validation import reference_stats
+from rollstream.consumer.validation import first_maps_key, reference_stats
 from rollstream.shared.config import load_config
 
 REPO = Path(__file__).resolve().parent.parent
@@ -81,11 +81,14 @@ class Run:
 
     def on_first_maps(self, maps: int) -> Run:
         """This run as validation on its first `maps` maps would have read it: the greedy curve from
-        `val_first<maps>/success` (logged by rounds over more maps), no sampled curve (rounds log it over all)."""
-        greedy, dropped = CURVES["greedy"], set(CURVES.values())
-        records = [{**{k: v for k, v in r.items() if k not in dropped},
-                    **({greedy: r[f"val_first{maps}/success"]} if f"val_first{maps}/success" in r else {})}
-                   for r in self.records]
+        `first_maps_key(maps)` (logged by rounds over more maps), no sampled curve (rounds log it over all)."""
+        first = first_maps_key(maps)
+        records = []
+        for record in self.records:
+            kept = {k: v for k, v in record.items() if k not in CURVES.values()}
+            if first in record:
+                kept[CURVES["greedy"]] = record[first]
+            records.append(kept)
         return replace(self, records=records, checkpoint_success={})
 
     def curve(self, key: str) -> list[tuple[float, float]]:
@@ -317,26 +320,27 @@ def main() -> None:
     else:
         runs = [run_once(args.config, seed, out, args.overrides, args.stop_after_minutes)
                 for seed, out in zip(seeds, dirs)]
+    # Checkpoints are played on maps of their own, not the first ones a --first-maps view reads: not played for it.
+    checkpoint_maps = None if args.first_maps else args.checkpoint_maps
     for run, out in zip(runs, dirs):
         run.max_steps = cfg.max_steps
-        if args.checkpoint_maps:
-            run.checkpoint_success = checkpoint_success(out, args.checkpoint_maps)
+        if checkpoint_maps:
+            run.checkpoint_success = checkpoint_success(out, checkpoint_maps)
 
-    name, ref_overrides = cfg.exp_name, args.overrides
+    exp, ref_overrides = cfg.exp_name, args.overrides
     if args.first_maps:
         runs = [run.on_first_maps(args.first_maps) for run in runs]
-        name += f"-first{args.first_maps}"
+        exp += f"-first{args.first_maps}"
         ref_overrides = [*args.overrides, f"val_env_manager.num_env_groups={args.first_maps}"]
-        args.checkpoint_maps = None  # checkpoints are played on maps of their own, not the ones this view reads
 
     RESULTS.mkdir(parents=True, exist_ok=True)
-    stem = RESULTS / f"learning_runs-{name}"
-    write_csv(stem.with_suffix(".csv"), env_name, runs, args.minutes, args.checkpoint_maps)
+    stem = RESULTS / f"learning_runs-{exp}"
+    write_csv(stem.with_suffix(".csv"), env_name, runs, args.minutes, checkpoint_maps)
     refs = references(args.config, seeds[0], ref_overrides)
-    plot(stem.with_suffix(".png"), runs, refs, f"{name}: {len(runs)} runs (seeds {', '.join(map(str, seeds))})")
-    print(f"\n{name} ({env_name}), {len(runs)} runs, seeds {seeds}; held-out success, min / median / max")
+    plot(stem.with_suffix(".png"), runs, refs, f"{exp}: {len(runs)} runs (seeds {', '.join(map(str, seeds))})")
+    print(f"\n{exp} ({env_name}), {len(runs)} runs, seeds {seeds}; held-out success, min / median / max")
     print("| minutes into the run | greedy | sampled |\n|---|---|---|")
-    for row in summary_rows(runs, args.minutes, args.checkpoint_maps):
+    for row in summary_rows(runs, args.minutes, checkpoint_maps):
         print("| " + " | ".join(row) + " |")
     for name in EXTREMES:
         values = [r.extreme(name) for r in runs]

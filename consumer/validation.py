@@ -96,10 +96,15 @@ class Validator:
         return list(trajs.values()), done() - len(trajs)
 
 
+def first_maps_key(maps: int) -> str:
+    """The metric of greedy success on a round's first `maps` maps."""
+    return f"val_first{maps}/success"
+
+
 def first_maps_success(greedy: list[Trajectory], maps: int) -> dict[str, float]:
-    """`val_first<maps>/success`: greedy success on the val groups with index below `maps`."""
+    """`first_maps_key(maps)`: greedy success on the val groups with index below `maps`."""
     head = [t.success for t in greedy if t.group_index < maps]
-    return {f"val_first{maps}/success": sum(head) / len(head)} if head else {}
+    return {first_maps_key(maps): sum(head) / len(head)} if head else {}
 
 
 def reference_stats(cfg: RollstreamConfig) -> dict[str, float]:
