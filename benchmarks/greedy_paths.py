@@ -15,6 +15,10 @@ state they left (a loop) on each path: greedy decoding can settle on a path that
 map's seed is a function of the run's seed and its index), so the table also gives greedy success on those alone
 beside all N: how far a validation round's figure, on its few maps, lies from the policy's rate on many.
 `--json PATH` also writes those two figures per step (`benchmarks/learning_runs.py --checkpoint-maps N` reads them).
+
+On non-slippery FrozenLake a second table splits greedy success by the length of each map's shortest safe path (6
+on a 4x4 map: Right and Down only; longer: a detour that needs Up or Left) and says how the failed greedy
+episodes ended (in a hole, or out of moves): which maps a policy on a plateau still loses, and how.
 """
 
 from __future__ import annotations
@@ -38,11 +42,14 @@ from rollstream.producer.episode import EpisodeSpec, Sampling, play_episode
 from rollstream.producer.policy.factory import chat_template_of
 from rollstream.producer.policy.hf import HFPolicy
 from rollstream.shared.config import RollstreamConfig, load_config
+from rollstream.shared.envs.frozen_lake import FrozenLakeEnv, optimal_actions
 from rollstream.shared.envs.registry import make_env
 from rollstream.shared.schema import Trajectory
 from rollstream.shared.seeding import held_out_seed
 
 SAMPLED_ROUNDS = 2
+ENDINGS = {"terminated": "a hole", "truncated": "out of moves", "max_actions": "out of moves"}
+"""How a failed FrozenLake episode ended, by its `end_reason` (the env ends it in a hole, or at its move limit)."""
 
 
 def base_model(run: Path, pretrain: str | None) -> Path:
@@ -124,6 +131,30 @@ def success_spread(greedy: list[Trajectory], val_maps: int) -> str:
     return f"{on['on_val_maps']:.2f} | {on['on_all_maps']:.3f} +- {error:.3f}"
 
 
+def route_lengths(cfg: RollstreamConfig, tag: str, maps: int) -> list[int] | None:
+    """The shortest safe path's length on each held-out map (by index); None for an env without one."""
+    env = make_env(tag, cfg.custom_envs)
+    if not isinstance(env, FrozenLakeEnv) or env.is_slippery:
+        return None
+    lengths = []
+    for g in range(maps):
+        env.reset(seed=held_out_seed(cfg.seed, g))
+        lengths.append(len(optimal_actions(env.desc)))
+    return lengths
+
+
+def by_route_length(greedy: list[Trajectory], lengths: list[int]) -> str:
+    """Greedy success per shortest-path length (`length: solved/maps`), and how the failures ended."""
+    maps: Counter[int] = Counter()
+    solved: Counter[int] = Counter()
+    for t in greedy:
+        maps[lengths[t.group_index]] += 1
+        solved[lengths[t.group_index]] += t.success
+    split = ", ".join(f"{n}: {solved[n]}/{maps[n]}" for n in sorted(maps))
+    ends = Counter(ENDINGS.get(t.end_reason, t.end_reason) for t in greedy if not t.success)
+    return f"{split} | " + ", ".join(f"{end} {n}" for end, n in ends.most_common())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("run", type=Path,
@@ -144,6 +175,8 @@ def main() -> None:
           f"sampled: success / think / no effect / loop | greedy on validation's {val_maps} | on all {maps} |")
     print("|---|---|---|---|---|---|")
     per_step = {}
+    routes = {}
+    lengths = route_lengths(cfg, tag, maps)
     base = base_model(args.run, cfg.pretrain)
     for step in args.steps:
         with tempfile.TemporaryDirectory() as tmp:
@@ -154,6 +187,13 @@ def main() -> None:
         print(f"| {step} | {moves} | {path_figures(g)} | {path_figures(s) if s else '-'} | "
               f"{success_spread(g, val_maps)} |", flush=True)
         per_step[step] = success_on(g, val_maps)
+        if lengths is not None:
+            routes[step] = by_route_length(g, lengths)
+    if routes:
+        print("\n| step | greedy solved by shortest-path length (length: solved/maps) | failed greedy episodes ended |")
+        print("|---|---|---|")
+        for step, row in routes.items():
+            print(f"| {step} | {row} |")
     if args.json:
         args.json.write_text(json.dumps({"maps": maps, "val_maps": val_maps, "steps": per_step}, indent=1))
 

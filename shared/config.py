@@ -438,6 +438,11 @@ class RollstreamConfig:
     this, per response token as the policy loss. Its gradient on that token's logit is p, where a policy-gradient
     penalty's is scaled by 1 - p and all but vanishes on a token the policy is sure of; the mass it takes goes to the
     other tokens in proportion to the policy's own distribution there, not to the warm start's. 0: off."""
+    fatal_move_unlikelihood_coef: Annotated[float, Field(ge=0.0)] = 0.0
+    """Unlikelihood on the move that lost an episode: on every step, -log(1 - p) of the token at which the last
+    reply of each episode the env ended without success (FrozenLake: a step into a hole) chose its action, times
+    this, per response token as the policy loss, whatever the episode's group scored; `no_advantage` keeps a group
+    with such a move. Replies in the built-in format only (not with an env's action_pattern). 0: off."""
     whiten_advantages: bool = False
     """Zero mean, unit variance over the batch's response tokens."""
     entropy_loss_coef: Annotated[float, Field(ge=0.0)] = 0.0

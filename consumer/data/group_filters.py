@@ -13,6 +13,7 @@ from typing import Protocol, cast
 import numpy as np
 
 from rollstream.consumer.learn.advantages import AdvantageSettings, compute_advantages, failed_everywhere
+from rollstream.consumer.learn.fatal_moves import any_fatal_move
 from rollstream.shared.config import RollstreamConfig
 from rollstream.shared.imports import import_object
 from rollstream.shared.schema import Trajectory
@@ -27,14 +28,18 @@ class GroupFilter(Protocol):
 class NoAdvantageFilter:
     """Drops a group whose every advantage is zero: all members scored alike (gigpo: and every state visited by
     several members led to the same return). Such a group adds nothing to the policy gradient, only to the
-    batch's count of trajectories. With `failed_group_advantage` a group no member of which succeeded is kept."""
+    batch's count of trajectories. With `failed_group_advantage` a group no member of which succeeded is kept, and
+    with `fatal_move_unlikelihood_coef` a group in which some member lost its episode by its last move."""
 
     def __init__(self, cfg: RollstreamConfig) -> None:
         self.settings = AdvantageSettings.from_config(cfg)
+        self.blames_fatal_moves = cfg.fatal_move_unlikelihood_coef > 0
 
     def filter(self, group_id: str, trajectories: Sequence[Trajectory]) -> bool:
         if self.settings.failed_group_advantage and failed_everywhere(trajectories):
             return False  # its push comes from the batch's success (failed_group_advantage), unknown here
+        if self.blames_fatal_moves and any_fatal_move(trajectories):
+            return False  # the fatal-move term trains it whatever its advantages
         advantages = compute_advantages([trajectories], self.settings)
         return not any(np.any(np.asarray(a) != 0) for a in advantages)
 

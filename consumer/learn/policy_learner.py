@@ -50,6 +50,7 @@ from rollstream.consumer.data.batcher import Batch
 from rollstream.consumer.learn.advantages import AdvantageSettings, compute_advantages
 from rollstream.consumer.learn.checkpoints import LearnerState, load_learner_state, save_checkpoint, strategy_dir
 from rollstream.consumer.learn.entropy_control import EntropyControl
+from rollstream.consumer.learn.fatal_moves import fatal_move_positions
 from rollstream.consumer.learn.format_unlikelihood import break_positions, reply_formats, unlikelihood
 from rollstream.consumer.learn.kl_anchor import needs_reference, step_kl_coef, unparsed_reply_kl_coef
 from rollstream.consumer.learn.loss import (
@@ -118,6 +119,8 @@ class UpdateSettings:
     (`kl_anchor_unparsed_replies`)."""
     format_unlikelihood_coef: float = 0.0
     """Coefficient of -log(1 - p) on each unparsed reply's format-breaking token (`format_unlikelihood`)."""
+    fatal_move_unlikelihood_coef: float = 0.0
+    """Coefficient of -log(1 - p) on the action token of each episode's fatal move (`fatal_moves`)."""
 
     @property
     def has_kl_term(self) -> bool:
@@ -163,7 +166,8 @@ class UpdateSettings:
         return cls(low, cfg.is_ratio_cap, cfg.old_logprobs, cfg.init_kl_coef, cfg.entropy_loss_coef,
                    cfg.ppo_epochs, minibatch_size(cfg), args.per_device_train_batch_size,
                    args.max_tokens_per_microbatch, cfg.actor_train.infer_batch_size, high, cfg.skip_zero_advantage,
-                   cfg.early_stop_kl, banned, unparsed_reply_kl_coef(cfg), cfg.format_unlikelihood_coef)
+                   cfg.early_stop_kl, banned, unparsed_reply_kl_coef(cfg), cfg.format_unlikelihood_coef,
+                   cfg.fatal_move_unlikelihood_coef)
 
 
 class PolicyLearner:
@@ -180,8 +184,10 @@ class PolicyLearner:
         """Shuffles mini-batches; its state is part of a checkpoint."""
         self.reference = load_reference(cfg, strategy.device) if needs_reference(cfg) else None
         self.entropy_control = EntropyControl.from_config(cfg)
-        self.reply_formats = reply_formats(cfg.custom_envs) if cfg.format_unlikelihood_coef > 0 else {}
-        """Action names by env tag, for finding where an unparsed reply broke the format."""
+        self.reply_formats = (reply_formats(cfg.custom_envs)
+                              if cfg.format_unlikelihood_coef > 0 or cfg.fatal_move_unlikelihood_coef > 0 else {})
+        """Action names by env tag (the tags whose replies use the built-in format), for finding where an unparsed
+        reply broke the format and where a fatal move chose its action."""
         self._pieces: dict[int, str | None] = {}
         self.steps_done = 0
 
@@ -193,8 +199,10 @@ class PolicyLearner:
         advantages = compute_advantages(groups, self.advantages)
         breaks = ([break_positions(t, self.piece, self.reply_formats[t.tag]) if t.tag in self.reply_formats else []
                    for t in trajs] if self.settings.format_unlikelihood_coef > 0 else None)
+        fatal = ([fatal_move_positions(t, self.piece) if t.tag in self.reply_formats else [] for t in trajs]
+                 if self.settings.fatal_move_unlikelihood_coef > 0 else None)
         tokens = build_token_batch(trajs, advantages, whiten=self.cfg.whiten_advantages, clip=self.cfg.adv_clip,
-                                   breaks=breaks)
+                                   breaks=breaks, fatal=fatal)
         check_trainable(tokens, batch.step)
         metrics = advantage_stats(tokens)
         metrics["actor/zero_adv_rows"] = float(tokens.num_rows - int(rows_with_gradient(tokens).sum()))
@@ -265,12 +273,14 @@ def check_trainable(tokens: TokenBatch, step: int) -> None:
 
 
 def rows_with_gradient(tokens: TokenBatch, trains_unparsed: bool = False) -> torch.Tensor:
-    """Which rows have a non-zero advantage on some response token (with `trains_unparsed`: or hold a reply that
-    did not parse), as a (B,) bool tensor.
+    """Which rows have a non-zero advantage on some response token, or a fatal move the loss blames (with
+    `trains_unparsed`: or a reply that did not parse), as a (B,) bool tensor.
 
     The policy-gradient term of every other row is exactly zero (a group whose members all scored the same), so
     without a KL penalty or an entropy bonus its forward and backward passes add nothing to the gradient."""
     rows = ((tokens.advantages != 0) & (tokens.response_mask > 0)).any(dim=1)
+    if tokens.fatal_mask is not None:  # built only when the fatal-move term is on
+        rows = rows | (tokens.fatal_mask > 0).any(dim=1)
     return rows | unparsed_rows(tokens) if trains_unparsed else rows
 
 
@@ -391,6 +401,11 @@ def microbatch_loss(forward: Forward, part: TokenBatch, settings: UpdateSettings
         loss = loss + settings.format_unlikelihood_coef * away / normalizer
         sums["unlikelihood"] = away.detach()
         sums["format_breaks"] = part.break_mask.sum()
+    if settings.fatal_move_unlikelihood_coef > 0 and part.fatal_mask is not None:
+        away = unlikelihood(logprobs, part.fatal_mask)
+        loss = loss + settings.fatal_move_unlikelihood_coef * away / normalizer
+        sums["fatal_unlikelihood"] = away.detach()
+        sums["fatal_moves"] = part.fatal_mask.sum()
     # The entropy keeps its graph only when it is part of the loss.
     with torch.set_grad_enabled(settings.has_entropy_term and torch.is_grad_enabled()):
         entropy = token_entropy(logits).sum()  # the logits are the response positions' only
@@ -424,7 +439,8 @@ def unparsed_drift(logits: torch.Tensor, part: TokenBatch, reference: Forward) -
 
 
 TALLY_KEYS = frozenset({"pg", "clip", "truncated", "ratio", "approx_kl", "is_weight", "kl", "unparsed_kl", "entropy",
-                        "banned_mass", "unlikelihood", "format_breaks", "tokens"})
+                        "banned_mass", "unlikelihood", "format_breaks", "fatal_unlikelihood", "fatal_moves",
+                        "tokens"})
 """Every sum a Tally may hold; ranks reduce them in this (sorted) order, whichever they saw."""
 
 
@@ -500,6 +516,9 @@ class Tally:
         if "unlikelihood" in self.sums:
             out["loss/format_unlikelihood"] = self.sums["unlikelihood"] / n
             out["actor/format_breaks"] = self.sums["format_breaks"]
+        if "fatal_unlikelihood" in self.sums:
+            out["loss/fatal_unlikelihood"] = self.sums["fatal_unlikelihood"] / n
+            out["actor/fatal_moves"] = self.sums["fatal_moves"]
         return out
 
 

@@ -40,6 +40,9 @@ class TokenBatch:
     break_mask: torch.Tensor | None = None
     """(B, T - 1) float32, 1 on the token at which an unparsed reply left the reply format (`format_unlikelihood`);
     None when the batch was built without them."""
+    fatal_mask: torch.Tensor | None = None
+    """(B, T - 1) float32, 1 on the token at which an episode's fatal move chose its action (`fatal_moves`); None
+    when the batch was built without them."""
 
     @property
     def num_rows(self) -> int:
@@ -94,13 +97,16 @@ def build_token_batch(
     clip: float | None = None,
     pad_id: int = 0,
     breaks: Sequence[Sequence[int]] | None = None,
+    fatal: Sequence[Sequence[int]] | None = None,
 ) -> TokenBatch:
     """Pad the trajectories into one TokenBatch with per-token advantages (whitened/clipped over response tokens);
-    `breaks`: each trajectory's format-breaking token indices, for `break_mask`."""
+    `breaks`: each trajectory's format-breaking token indices, for `break_mask`; `fatal`: its fatal move's action
+    token index, for `fatal_mask`."""
     if len(trajs) != len(advantages):
         raise ValueError(f"{len(advantages)} advantages for {len(trajs)} trajectories")
-    if breaks is not None and len(breaks) != len(trajs):
-        raise ValueError(f"format breaks for {len(breaks)} trajectories, {len(trajs)} trajectories")
+    for name, marks in (("format breaks", breaks), ("fatal moves", fatal)):
+        if marks is not None and len(marks) != len(trajs):
+            raise ValueError(f"{name} for {len(marks)} trajectories, {len(trajs)} trajectories")
     for t in trajs:
         if not (len(t.input_ids) == len(t.response_mask) == len(t.logprobs)):
             raise ValueError(f"{t.traj_id}: input_ids, response_mask and logprobs differ in length "
@@ -114,6 +120,7 @@ def build_token_batch(
     token_adv = np.zeros((rows, width), np.float64)
     unparsed = np.zeros((rows, width), np.float32)
     broke = np.zeros((rows, width), np.float32)
+    lost = np.zeros((rows, width), np.float32)
     for i, (traj, adv) in enumerate(zip(trajs, advantages)):
         n = traj.num_tokens
         input_ids[i, :n] = torch.from_numpy(traj.input_ids.astype(np.int64))
@@ -126,9 +133,10 @@ def build_token_batch(
                 start, end = turn.response_span
                 unparsed[i, start:end] = traj.response_mask[start:end]
         broke[i, list(breaks[i]) if breaks is not None else []] = 1.0
+        lost[i, list(fatal[i]) if fatal is not None else []] = 1.0
     # Shift to targets: the first token of a trajectory has no logits predicting it.
     response, behaviour, token_adv = response[:, 1:], behaviour[:, 1:], token_adv[:, 1:]
-    unparsed, broke = unparsed[:, 1:], broke[:, 1:]
+    unparsed, broke, lost = unparsed[:, 1:], broke[:, 1:], lost[:, 1:]
     on = response > 0
     token_adv[on] = finalize(token_adv[on], whiten_values=whiten, clip=clip)
     token_adv[~on] = 0.0
@@ -140,6 +148,7 @@ def build_token_batch(
         advantages=torch.from_numpy(token_adv.astype(np.float32)),
         unparsed_mask=torch.from_numpy(unparsed),
         break_mask=torch.from_numpy(broke) if breaks is not None else None,
+        fatal_mask=torch.from_numpy(lost) if fatal is not None else None,
     )
 
 

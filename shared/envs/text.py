@@ -85,6 +85,24 @@ def _reply_pattern(action_names: tuple[str, ...]) -> regex.Pattern[str]:
                          regex.DOTALL)
 
 
+def answer_token(pieces: Sequence[str | None]) -> int | None:
+    """Which of a well-formed reply's tokens (their text `pieces`; None for a special token such as
+    end-of-sequence) holds the first character of the answer: the token at which the policy chose its action
+    (`<answer>` `R` `ight` `</answer>`: `R`). None when the pieces do not spell a well-formed reply."""
+    texts = [piece or "" for piece in pieces]
+    match = _REPLY.fullmatch("".join(texts))
+    if match is None:
+        return None
+    answer = match.group(1)
+    first = match.start(1) + len(answer) - len(answer.lstrip())
+    end = 0
+    for i, text in enumerate(texts):
+        end += len(text)
+        if end > first:
+            return i
+    return None
+
+
 def opens_think(reply: str) -> bool:
     """The reply starts with a `<think>` (well-formed or not): the share of such replies shows which path a
     policy takes, since greedy decoding can settle on a think path that sampling rarely shows."""
