@@ -441,8 +441,9 @@ class RollstreamConfig:
     fatal_move_unlikelihood_coef: Annotated[float, Field(ge=0.0)] = 0.0
     """Unlikelihood on the move that lost an episode: on every step, -log(1 - p) of the token at which the last
     reply of each episode the env ended without success (FrozenLake: a step into a hole) chose its action, times
-    this, per response token as the policy loss, whatever the episode's group scored; `no_advantage` keeps a group
-    with such a move. Replies in the built-in format only (not with an env's action_pattern). 0: off."""
+    this and the batch's success rate, per response token as the policy loss, whatever the episode's group scored;
+    `no_advantage` keeps a group with such a move. Replies in the built-in format only (not with an env's
+    action_pattern). 0: off (as in every shipped config: docs/learning.md)."""
     whiten_advantages: bool = False
     """Zero mean, unit variance over the batch's response tokens."""
     entropy_loss_coef: Annotated[float, Field(ge=0.0)] = 0.0

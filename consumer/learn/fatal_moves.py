@@ -12,6 +12,12 @@ hole), alone: -log(1 - p) of the token at which that reply chose its action, wha
 reply format's unlikelihood (`format_unlikelihood`), its gradient on that token's logit is p, and the mass it frees
 goes to the other tokens in proportion to the policy's own probabilities there: to the other moves. An episode that
 ran out of moves blames no single move, and gets none.
+
+The coefficient is scaled by the batch's success rate (as `failed_group_advantage`'s push is). At full strength
+from the first step (coefficient 1.0, machine 26) the warm-started policy, which succeeds on almost no map, learnt
+within 15 steps to walk into the walls of its start corner instead (moves that change nothing: 0.96-0.99 of them),
+where no hole can be met and no success either, and stayed there (greedy 0 to step 48). Scaled, the term is near
+zero until the policy finds the goal, and grows as it does.
 """
 
 from __future__ import annotations
@@ -32,6 +38,11 @@ def ended_by_its_last_move(traj: Trajectory) -> bool:
 def any_fatal_move(group: Sequence[Trajectory]) -> bool:
     """Some member of the group lost its episode by its last move: the term trains the group whatever it scored."""
     return any(map(ended_by_its_last_move, group))
+
+
+def step_fatal_coef(coef: float, trajs: Sequence[Trajectory]) -> float:
+    """This step's coefficient: `coef` x the success rate of the batch's episodes (0 for an empty batch)."""
+    return coef * sum(t.success for t in trajs) / len(trajs) if trajs and coef > 0 else 0.0
 
 
 def fatal_move_positions(traj: Trajectory, piece: Piece) -> list[int]:

@@ -50,7 +50,7 @@ from rollstream.consumer.data.batcher import Batch
 from rollstream.consumer.learn.advantages import AdvantageSettings, compute_advantages
 from rollstream.consumer.learn.checkpoints import LearnerState, load_learner_state, save_checkpoint, strategy_dir
 from rollstream.consumer.learn.entropy_control import EntropyControl
-from rollstream.consumer.learn.fatal_moves import fatal_move_positions
+from rollstream.consumer.learn.fatal_moves import fatal_move_positions, step_fatal_coef
 from rollstream.consumer.learn.format_unlikelihood import break_positions, reply_formats, unlikelihood
 from rollstream.consumer.learn.kl_anchor import needs_reference, step_kl_coef, unparsed_reply_kl_coef
 from rollstream.consumer.learn.loss import (
@@ -208,9 +208,12 @@ class PolicyLearner:
         metrics["actor/zero_adv_rows"] = float(tokens.num_rows - int(rows_with_gradient(tokens).sum()))
         metrics["time/advantages_s"] = time.monotonic() - start
         settings = replace(self.settings, entropy_coef=self.entropy_control.bonus,
-                           kl_coef=step_kl_coef(self.cfg, valid_action_rate(trajs)))
+                           kl_coef=step_kl_coef(self.cfg, valid_action_rate(trajs)),
+                           fatal_move_unlikelihood_coef=step_fatal_coef(self.cfg.fatal_move_unlikelihood_coef, trajs))
         metrics |= self.update(tokens, settings)
         metrics["actor/entropy_coef"] = settings.entropy_coef
+        if fatal is not None:
+            metrics["actor/fatal_move_coef"] = settings.fatal_move_unlikelihood_coef
         metrics["actor/kl_coef"] = settings.kl_coef
         self.entropy_control.observe(metrics["loss/entropy"])
         self.steps_done += 1

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoTokenizer
 
 from rollstream.consumer.data.group_filters import NoAdvantageFilter
-from rollstream.consumer.learn.fatal_moves import fatal_move_positions
+from rollstream.consumer.learn.fatal_moves import fatal_move_positions, step_fatal_coef
 from rollstream.consumer.learn.learner import make_learner
 from rollstream.consumer.learn.policy_learner import PolicyLearner
 from rollstream.consumer.learn.tensors import build_token_batch
@@ -72,11 +72,24 @@ def test_the_filter_keeps_a_group_that_lost_by_a_move_only_with_the_term(tmp_pat
     assert not blaming.filter("g", lost) and blaming.filter("g", out_of_moves)
 
 
+def test_the_term_scales_with_the_batchs_success(tiny_model: Path) -> None:
+    """At full strength from the first step a policy that never reached the goal learnt to walk into walls instead
+    (docs/learning.md); scaled by the batch's success, it waits for the goal to be found."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    lost = [lost_trajectory(tokenizer, m) for m in range(4)]
+    won = [lost_trajectory(tokenizer, m, success=True) for m in range(4)]
+    assert step_fatal_coef(1.0, lost) == 0.0
+    assert step_fatal_coef(1.0, lost + won) == 0.5
+    assert step_fatal_coef(0.0, won) == 0.0 and step_fatal_coef(1.0, []) == 0.0
+
+
 def test_a_group_that_lost_alike_is_trained_and_the_fatal_move_falls(tmp_path: Path, tiny_model: Path) -> None:
     """Four members that fell into the same hole: no advantage, so without the term no gradient; with it the
-    fatal move's action token loses probability, even where the policy was sure of it."""
+    fatal move's action token loses probability, even where the policy was sure of it. (Beside them a group that
+    won alike, so the batch's success, which scales the term, is 0.5.)"""
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     group = [lost_trajectory(tokenizer, m) for m in range(4)]
+    won = [dataclasses.replace(lost_trajectory(tokenizer, m, success=True), group_id="won") for m in range(4)]
     learners = [make_learner(learner_config(tmp_path / name, tiny_model, "torch_train", *extra))
                 for name, extra in (("plain", ()), ("blaming", ("fatal_move_unlikelihood_coef=1.0",)))]
     plain, blaming = learners
@@ -97,8 +110,9 @@ def test_a_group_that_lost_alike_is_trained_and_the_fatal_move_falls(tmp_path: P
                 12 * hidden / hidden.dot(hidden))
     before = hidden_and_logprob(blaming)[1]
     assert before > -0.05  # p > 0.95
-    kept, moved = plain.train_step(make_batch([group])), blaming.train_step(make_batch([group]))
+    kept, moved = plain.train_step(make_batch([group, won])), blaming.train_step(make_batch([group, won]))
     assert kept["actor/grad_norm"] == 0.0 and "loss/fatal_unlikelihood" not in kept
+    assert moved["actor/fatal_move_coef"] == 0.5
     assert moved["actor/fatal_moves"] == 4.0 and moved["loss/fatal_unlikelihood"] > 0
     assert hidden_and_logprob(blaming)[1] < before - 0.5
     for learner in learners:
