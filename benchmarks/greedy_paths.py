@@ -16,9 +16,9 @@ map's seed is a function of the run's seed and its index), so the table also giv
 beside all N: how far a validation round's figure, on its few maps, lies from the policy's rate on many.
 `--json PATH` also writes those two figures per step (`benchmarks/learning_runs.py --checkpoint-maps N` reads them).
 
-On non-slippery FrozenLake a second table splits greedy success by the length of each map's shortest safe path (6
-on a 4x4 map: Right and Down only; longer: a detour that needs Up or Left) and says how the failed greedy
-episodes ended (in a hole, or out of moves): which maps a policy on a plateau still loses, and how.
+On non-slippery FrozenLake a second table says how greedy lost the maps it lost: into a hole from a cell where a move
+towards the goal (Right or Down) was still on a safe path to it (a misread of the next cells), into a hole from a
+cell where none was (a forward dead end, entered earlier), or out of moves: what a policy on a plateau gets wrong.
 """
 
 from __future__ import annotations
@@ -42,14 +42,12 @@ from rollstream.producer.episode import EpisodeSpec, Sampling, play_episode
 from rollstream.producer.policy.factory import chat_template_of
 from rollstream.producer.policy.hf import HFPolicy
 from rollstream.shared.config import RollstreamConfig, load_config
-from rollstream.shared.envs.frozen_lake import FrozenLakeEnv, optimal_actions
+from rollstream.shared.envs.frozen_lake import MOVES, FrozenLakeEnv
 from rollstream.shared.envs.registry import make_env
 from rollstream.shared.schema import Trajectory
 from rollstream.shared.seeding import held_out_seed
 
 SAMPLED_ROUNDS = 2
-ENDINGS = {"terminated": "a hole", "truncated": "out of moves", "max_actions": "out of moves"}
-"""How a failed FrozenLake episode ended, by its `end_reason` (the env ends it in a hole, or at its move limit)."""
 
 
 def base_model(run: Path, pretrain: str | None) -> Path:
@@ -131,28 +129,54 @@ def success_spread(greedy: list[Trajectory], val_maps: int) -> str:
     return f"{on['on_val_maps']:.2f} | {on['on_all_maps']:.3f} +- {error:.3f}"
 
 
-def route_lengths(cfg: RollstreamConfig, tag: str, maps: int) -> list[int] | None:
-    """The shortest safe path's length on each held-out map (by index); None for an env without one."""
+def held_out_maps(cfg: RollstreamConfig, tag: str, maps: int) -> list[list[str]] | None:
+    """Each held-out map's rows (by index), for an env whose losses can be told apart: non-slippery FrozenLake."""
     env = make_env(tag, cfg.custom_envs)
     if not isinstance(env, FrozenLakeEnv) or env.is_slippery:
         return None
-    lengths = []
+    out = []
     for g in range(maps):
         env.reset(seed=held_out_seed(cfg.seed, g))
-        lengths.append(len(optimal_actions(env.desc)))
-    return lengths
+        out.append(list(env.desc))
+    return out
 
 
-def by_route_length(greedy: list[Trajectory], lengths: list[int]) -> str:
-    """Greedy success per shortest-path length (`length: solved/maps`), and how the failures ended."""
-    maps: Counter[int] = Counter()
-    solved: Counter[int] = Counter()
-    for t in greedy:
-        maps[lengths[t.group_index]] += 1
-        solved[lengths[t.group_index]] += t.success
-    split = ", ".join(f"{n}: {solved[n]}/{maps[n]}" for n in sorted(maps))
-    ends = Counter(ENDINGS.get(t.end_reason, t.end_reason) for t in greedy if not t.success)
-    return f"{split} | " + ", ".join(f"{end} {n}" for end, n in ends.most_common())
+FORWARD = ("Right", "Down")
+"""The moves towards the goal (bottom-right, from the top-left start): every held-out 4x4 map measured has a
+shortest safe path of these alone."""
+
+
+def reaches_goal_forward(desc: list[str], cell: tuple[int, int]) -> bool:
+    """The goal can be reached from `cell` by moves towards it alone, without a hole."""
+    row, col = cell
+    if not (0 <= row < len(desc) and 0 <= col < len(desc[0])) or desc[row][col] == "H":
+        return False
+    if desc[row][col] == "G":
+        return True
+    return any(reaches_goal_forward(desc, (row + MOVES[m][0], col + MOVES[m][1])) for m in FORWARD)
+
+
+def how_lost(traj: Trajectory, desc: list[str]) -> str:
+    """How a lost FrozenLake episode was lost: into a hole from a cell where a move towards the goal still led to
+    it (a misread of the next cells), into a hole from a cell where none did (a forward dead end, entered
+    earlier), or out of moves."""
+    if traj.end_reason != "terminated":
+        return "out of moves"
+    row = col = 0
+    for turn in traj.turns[:-1]:
+        if turn.action is not None:
+            dr, dc = MOVES[turn.action]
+            if 0 <= row + dr < len(desc) and 0 <= col + dc < len(desc[0]):
+                row, col = row + dr, col + dc
+    if reaches_goal_forward(desc, (row, col)):
+        return "a hole, beside a move still on a path"
+    return "a hole, from a forward dead end"
+
+
+def lost_maps(greedy: list[Trajectory], descs: list[list[str]]) -> str:
+    """How the greedy episodes that failed were lost, with counts."""
+    kinds = Counter(how_lost(t, descs[t.group_index]) for t in greedy if not t.success)
+    return ", ".join(f"{kind} {n}" for kind, n in kinds.most_common()) or "-"
 
 
 def main() -> None:
@@ -175,8 +199,8 @@ def main() -> None:
           f"sampled: success / think / no effect / loop | greedy on validation's {val_maps} | on all {maps} |")
     print("|---|---|---|---|---|---|")
     per_step = {}
-    routes = {}
-    lengths = route_lengths(cfg, tag, maps)
+    losses = {}
+    descs = held_out_maps(cfg, tag, maps)
     base = base_model(args.run, cfg.pretrain)
     for step in args.steps:
         with tempfile.TemporaryDirectory() as tmp:
@@ -187,12 +211,12 @@ def main() -> None:
         print(f"| {step} | {moves} | {path_figures(g)} | {path_figures(s) if s else '-'} | "
               f"{success_spread(g, val_maps)} |", flush=True)
         per_step[step] = success_on(g, val_maps)
-        if lengths is not None:
-            routes[step] = by_route_length(g, lengths)
-    if routes:
-        print("\n| step | greedy solved by shortest-path length (length: solved/maps) | failed greedy episodes ended |")
-        print("|---|---|---|")
-        for step, row in routes.items():
+        if descs is not None:
+            losses[step] = lost_maps(g, descs)
+    if losses:
+        print("\n| step | the maps greedy lost, by how |")
+        print("|---|---|")
+        for step, row in losses.items():
             print(f"| {step} | {row} |")
     if args.json:
         args.json.write_text(json.dumps({"maps": maps, "val_maps": val_maps, "steps": per_step}, indent=1))

@@ -15,7 +15,7 @@ from rollstream.shared.envs.render import CellStyle, draw_grid
 
 ACTIONS = ("Left", "Down", "Right", "Up")
 """In gymnasium's order: the index of a name is its gymnasium action."""
-_MOVES = {"Left": (0, -1), "Down": (1, 0), "Right": (0, 1), "Up": (-1, 0)}
+MOVES = {"Left": (0, -1), "Down": (1, 0), "Right": (0, 1), "Up": (-1, 0)}
 
 # Text symbols. The start cell S is plain ice once the player has left it.
 ICE, HOLE, GOAL, PLAYER, PLAYER_IN_HOLE, PLAYER_ON_GOAL = "_", "O", "G", "P", "X", "√"
@@ -54,7 +54,7 @@ def optimal_actions(desc: Sequence[str], start: tuple[int, int] | None = None) -
         if desc[cell[0]][cell[1]] == "H":
             continue
         for action in ACTIONS:
-            dr, dc = _MOVES[action]
+            dr, dc = MOVES[action]
             nxt = (cell[0] + dr, cell[1] + dc)
             if 0 <= nxt[0] < rows and 0 <= nxt[1] < cols and nxt not in came_from:
                 came_from[nxt] = (cell, action)
