@@ -443,7 +443,8 @@ class RollstreamConfig:
     reply of each episode the env ended without success (FrozenLake: a step into a hole) chose its action, times
     this and the batch's success rate, per response token as the policy loss, whatever the episode's group scored;
     `no_advantage` keeps a group with such a move. Replies in the built-in format only (not with an env's
-    action_pattern). 0: off (as in every shipped config: docs/learning.md)."""
+    action_pattern). At full strength from the first step it taught a warm start that wins almost no map to walk
+    into walls instead, hence the scaling (docs/learning.md). 0: off (the default; the main job sets 1.0)."""
     whiten_advantages: bool = False
     """Zero mean, unit variance over the batch's response tokens."""
     entropy_loss_coef: Annotated[float, Field(ge=0.0)] = 0.0
