@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from rollstream.consumer.learn.format_unlikelihood import Piece
+from rollstream.consumer.learn.format_unlikelihood import Piece, reply_tokens
 from rollstream.shared.envs.text import answer_token
 from rollstream.shared.schema import Trajectory
 
@@ -50,7 +50,6 @@ def fatal_move_positions(traj: Trajectory, piece: Piece) -> list[int]:
     episode did not end so, or that reply's tokens do not spell a well-formed reply."""
     if not ended_by_its_last_move(traj):
         return []
-    start, end = traj.turns[-1].response_span
-    generated = [k for k in range(start, end) if traj.response_mask[k] > 0]
-    at = answer_token([piece(int(traj.input_ids[k])) for k in generated])
+    generated, pieces = reply_tokens(traj, traj.turns[-1], piece)
+    at = answer_token(pieces)
     return [] if at is None else [generated[at]]

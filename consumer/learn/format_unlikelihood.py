@@ -22,7 +22,7 @@ import torch
 from rollstream.shared.config import CustomEnvConfig
 from rollstream.shared.envs.registry import resolve_env_type
 from rollstream.shared.envs.text import format_break
-from rollstream.shared.schema import Trajectory
+from rollstream.shared.schema import Trajectory, Turn
 
 Piece = Callable[[int], "str | None"]
 """A token id's text; None for a token that ends a reply (end-of-sequence and the other special tokens)."""
@@ -35,15 +35,21 @@ def reply_formats(custom_envs: Mapping[str, CustomEnvConfig]) -> dict[str, tuple
             if "action_pattern" not in env.env_config}
 
 
+def reply_tokens(traj: Trajectory, turn: Turn, piece: Piece) -> tuple[list[int], list[str | None]]:
+    """A reply's generated tokens: their indices in `traj.input_ids`, and their text (`piece`)."""
+    start, end = turn.response_span
+    generated = [k for k in range(start, end) if traj.response_mask[k] > 0]
+    return generated, [piece(int(traj.input_ids[k])) for k in generated]
+
+
 def break_positions(traj: Trajectory, piece: Piece, action_names: Sequence[str]) -> list[int]:
     """The index in `traj.input_ids` of the token at which each reply that did not parse left the format."""
     positions = []
     for turn in traj.turns:
         if turn.action_is_valid:
             continue
-        start, end = turn.response_span
-        generated = [k for k in range(start, end) if traj.response_mask[k] > 0]
-        at = format_break([piece(int(traj.input_ids[k])) for k in generated], action_names)
+        generated, pieces = reply_tokens(traj, turn, piece)
+        at = format_break(pieces, action_names)
         if at is not None:
             positions.append(generated[at])
     return positions
