@@ -53,6 +53,7 @@ StdNormalize = Literal["group", "none"]
 AttnImplementation = Literal["eager", "sdpa", "flash_attention_2"]
 WeightsTransport = Literal["filesystem", "redis"]
 WandbMode = Literal["online", "offline", "disabled"]
+FatalMoveGroups = Literal["all", "at_success_rate"]
 
 MAX_ENV_GROUPS = 100_000
 """Bounds that keep a typo (num_env_groups: 10**12) an error, not a MemoryError while laying groups out."""
@@ -445,6 +446,11 @@ class RollstreamConfig:
     `no_advantage` keeps a group with such a move. Replies in the built-in format only (not with an env's
     action_pattern). At full strength from the first step it taught a warm start that wins almost no map to walk
     into walls instead, hence the scaling (docs/learning.md). 0: off (the default; the main job sets 1.0)."""
+    fatal_move_groups: FatalMoveGroups = "all"
+    """Which groups `no_advantage` keeps for the fatal-move term alone (all members scored alike, one lost by its
+    last move): `all`, or `at_success_rate`, that share of them given by the success of the last 256 episodes the
+    filter judged, so that while the policy rarely wins, a batch fills with groups the policy gradient learns from
+    and not with groups the term, scaled by the same success, barely trains (docs/learning.md)."""
     whiten_advantages: bool = False
     """Zero mean, unit variance over the batch's response tokens."""
     entropy_loss_coef: Annotated[float, Field(ge=0.0)] = 0.0

@@ -1,12 +1,13 @@
 """Group filters: which complete groups the trainer drops instead of training (`train_env_manager.group_filter_cls`).
 
 A dropped group returns its slot, so the env-workers play another in its place and the batch fills with groups
-that pass: dynamic sampling (DAPO), in the shape of ROLL's GroupFilter (`filter` returns true to drop). Pure: a
-filter sees one group's trajectories and the config, nothing else.
+that pass: dynamic sampling (DAPO), in the shape of ROLL's GroupFilter (`filter` returns true to drop). No I/O: a
+filter sees the groups it is asked about, in order, and the config, nothing else.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Protocol, cast
 
@@ -29,19 +30,47 @@ class NoAdvantageFilter:
     """Drops a group whose every advantage is zero: all members scored alike (gigpo: and every state visited by
     several members led to the same return). Such a group adds nothing to the policy gradient, only to the
     batch's count of trajectories. With `failed_group_advantage` a group no member of which succeeded is kept, and
-    with `fatal_move_unlikelihood_coef` a group in which some member lost its episode by its last move."""
+    with `fatal_move_unlikelihood_coef` a group in which some member lost its episode by its last move (all of
+    them, or under `fatal_move_groups: at_success_rate` that share of them given by the recent success)."""
 
     def __init__(self, cfg: RollstreamConfig) -> None:
         self.settings = AdvantageSettings.from_config(cfg)
         self.blames_fatal_moves = cfg.fatal_move_unlikelihood_coef > 0
+        self.fatal_share = RecentSuccess() if cfg.fatal_move_groups == "at_success_rate" else None
 
     def filter(self, group_id: str, trajectories: Sequence[Trajectory]) -> bool:
+        if self.fatal_share is not None:
+            self.fatal_share.add(trajectories)
         if self.settings.failed_group_advantage and failed_everywhere(trajectories):
             return False  # its push comes from the batch's success (failed_group_advantage), unknown here
-        if self.blames_fatal_moves and any_fatal_move(trajectories):
-            return False  # the fatal-move term trains it whatever its advantages
         advantages = compute_advantages([trajectories], self.settings)
-        return not any(np.any(np.asarray(a) != 0) for a in advantages)
+        if any(np.any(np.asarray(a) != 0) for a in advantages):
+            return False
+        if self.blames_fatal_moves and any_fatal_move(trajectories):
+            return self.fatal_share is not None and not self.fatal_share.draw()  # the fatal-move term trains it
+        return True
+
+
+class RecentSuccess:
+    """The success rate of the last `window` episodes seen, and a deterministic draw at that rate: `draw` is true
+    for that share of its calls (an accumulator, so a rate of 0.25 keeps every fourth, with no random state)."""
+
+    def __init__(self, window: int = 256) -> None:
+        self.recent: deque[bool] = deque(maxlen=window)
+        self.credit = 0.0
+
+    def add(self, trajectories: Sequence[Trajectory]) -> None:
+        self.recent.extend(t.success for t in trajectories)
+
+    def rate(self) -> float:
+        return sum(self.recent) / len(self.recent) if self.recent else 0.0
+
+    def draw(self) -> bool:
+        self.credit += self.rate()
+        if self.credit >= 1.0:
+            self.credit -= 1.0
+            return True
+        return False
 
 
 BUILT_IN: dict[str, Callable[[RollstreamConfig], GroupFilter]] = {"no_advantage": NoAdvantageFilter}

@@ -72,6 +72,24 @@ def test_the_filter_keeps_a_group_that_lost_by_a_move_only_with_the_term(tmp_pat
     assert not blaming.filter("g", lost) and blaming.filter("g", out_of_moves)
 
 
+def test_at_success_rate_the_filter_keeps_that_share_of_groups_kept_for_the_term(tmp_path: Path,
+                                                                                  tiny_model: Path) -> None:
+    """`fatal_move_groups: at_success_rate`: while nothing is won such groups are dropped as any other without an
+    advantage; once a quarter of the recent episodes win, every fourth is kept."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    lost = [lost_trajectory(tokenizer, m) for m in range(4)]
+    won = [lost_trajectory(tokenizer, m, success=True) for m in range(4)]
+    sharing = NoAdvantageFilter(load_config(None, [f"output_dir={tmp_path}", "fatal_move_unlikelihood_coef=1.0",
+                                                   "fatal_move_groups=at_success_rate"]))
+    assert all(sharing.filter("g", lost) for _ in range(64))  # 256 episodes, none won
+    assert sharing.fatal_share is not None and sharing.fatal_share.rate() == 0.0
+    for _ in range(16):  # the last 256 episodes: 64 won
+        assert sharing.filter("g", won)  # all won alike: nothing to learn, no fatal move
+    assert sharing.fatal_share.rate() == 0.25
+    kept = [not sharing.filter("g", lost) for _ in range(12)]
+    assert kept == [False, False, False, True] * 3  # a quarter of the last 256 won: every fourth
+
+
 def test_the_term_scales_with_the_batchs_success(tiny_model: Path) -> None:
     """At full strength from the first step a policy that never reached the goal learnt to walk into walls instead
     (docs/learning.md); scaled by the batch's success, it waits for the goal to be found."""
