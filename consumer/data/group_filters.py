@@ -47,7 +47,8 @@ class NoAdvantageFilter:
         if any(np.any(np.asarray(a) != 0) for a in advantages):
             return False
         if self.blames_fatal_moves and any_fatal_move(trajectories):
-            return self.fatal_share is not None and not self.fatal_share.draw()  # the fatal-move term trains it
+            # kept for the fatal-move term: every one, or under at_success_rate that share of them
+            return self.fatal_share is not None and not self.fatal_share.draw()
         return True
 
 
