@@ -43,7 +43,7 @@ from rollstream.producer.episode import EpisodeSpec, Sampling, play_episode
 from rollstream.producer.policy.factory import chat_template_of
 from rollstream.producer.policy.hf import HFPolicy
 from rollstream.shared.config import RollstreamConfig, load_config
-from rollstream.shared.envs.frozen_lake import MOVES, FrozenLakeEnv
+from rollstream.shared.envs.frozen_lake import MOVES, FrozenLakeEnv, moved
 from rollstream.shared.envs.registry import make_env
 from rollstream.shared.schema import Trajectory
 from rollstream.shared.seeding import held_out_seed
@@ -163,13 +163,11 @@ def how_lost(traj: Trajectory, desc: list[str]) -> str:
     earlier), or out of moves."""
     if traj.end_reason != "terminated":
         return "out of moves"
-    row = col = 0
+    cell = (0, 0)
     for turn in traj.turns[:-1]:
         if turn.action is not None:
-            dr, dc = MOVES[turn.action]
-            if 0 <= row + dr < len(desc) and 0 <= col + dc < len(desc[0]):
-                row, col = row + dr, col + dc
-    if reaches_goal_forward(desc, (row, col)):
+            cell = moved(desc, cell, turn.action)
+    if reaches_goal_forward(desc, cell):
         return "a hole, beside a move still on a path"
     return "a hole, from a forward dead end"
 

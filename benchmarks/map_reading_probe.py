@@ -29,7 +29,7 @@ from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
 from rollstream.shared.config import TinyModelConfig
 from rollstream.shared.envs import sokoban
 from rollstream.shared.envs.frozen_lake import ACTIONS as LAKE_ACTIONS
-from rollstream.shared.envs.frozen_lake import MOVES, FrozenLakeEnv, optimal_actions
+from rollstream.shared.envs.frozen_lake import MOVES, FrozenLakeEnv, moved, optimal_actions
 from rollstream.shared.envs.text import turn_prompt
 from rollstream.tiny_model import corpus_envs, env_texts, tiny_config, train_tokenizer
 
@@ -60,8 +60,8 @@ def shortest_moves(desc: list[str], cell: tuple[int, int]) -> set[str]:
     """The moves from `cell` that start a shortest hole-free path to the goal."""
     best = len(optimal_actions(desc, cell))
     moves = set()
-    for action, (dr, dc) in MOVES.items():
-        nxt = (min(max(cell[0] + dr, 0), len(desc) - 1), min(max(cell[1] + dc, 0), len(desc) - 1))
+    for action in MOVES:
+        nxt = moved(desc, cell, action)
         try:
             if len(optimal_actions(desc, nxt)) == best - 1:
                 moves.add(action)

@@ -33,6 +33,13 @@ STYLES = {
 }
 
 
+def moved(desc: Sequence[str], cell: tuple[int, int], action: str) -> tuple[int, int]:
+    """The cell a non-slippery `action` from `cell` leads to: a move into the map's edge leaves the player where it
+    was, as in gymnasium."""
+    dr, dc = MOVES[action]
+    return min(max(cell[0] + dr, 0), len(desc) - 1), min(max(cell[1] + dc, 0), len(desc[0]) - 1)
+
+
 def optimal_actions(desc: Sequence[str], start: tuple[int, int] | None = None) -> list[str]:
     """A shortest hole-free path on a non-slippery map (gymnasium letters S F H G), from S or `start`.
 

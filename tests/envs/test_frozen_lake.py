@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from gymnasium.utils.env_checker import check_env
 
-from rollstream.shared.envs.frozen_lake import ACTIONS, FrozenLakeEnv, optimal_actions
+from rollstream.shared.envs.frozen_lake import ACTIONS, FrozenLakeEnv, moved, optimal_actions
 from rollstream.shared.envs.text import format_reply
 
 
@@ -161,3 +161,9 @@ def test_bad_config_values_name_the_key(kwargs: dict, key: str) -> None:
 def test_passes_gymnasium_env_checker() -> None:
     # skip_render_check: the checker's render test wants an env built by gymnasium.make (it warns otherwise).
     check_env(FrozenLakeEnv(is_slippery=True), skip_render_check=True)
+
+
+def test_a_move_into_the_maps_edge_leaves_the_player_where_it_was() -> None:
+    desc = ["SF", "FG"]
+    assert moved(desc, (0, 0), "Right") == (0, 1) and moved(desc, (0, 0), "Down") == (1, 0)
+    assert moved(desc, (0, 0), "Left") == (0, 0) and moved(desc, (1, 1), "Down") == (1, 1)
