@@ -61,9 +61,8 @@ def optimal_actions(desc: Sequence[str], start: tuple[int, int] | None = None) -
         if desc[cell[0]][cell[1]] == "H":
             continue
         for action in ACTIONS:
-            dr, dc = MOVES[action]
-            nxt = (cell[0] + dr, cell[1] + dc)
-            if 0 <= nxt[0] < rows and 0 <= nxt[1] < cols and nxt not in came_from:
+            nxt = moved(desc, cell, action)  # a move into the edge stays on `cell`, already seen
+            if nxt not in came_from:
                 came_from[nxt] = (cell, action)
                 frontier.append(nxt)
     raise ValueError(f"no path from {start} to the goal on map {list(desc)}")
