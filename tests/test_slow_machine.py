@@ -1,0 +1,40 @@
+"""The slow-machine model for learning runs: a real cgroup CPU quota over a command and its children."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.benchmark_modules import BENCHMARKS
+
+SCRIPT = str(BENCHMARKS / "slow_machine.py")
+# A child that spins for a second of wall clock and prints the CPU seconds it got.
+SPIN = ("import time; cpu, wall = time.process_time(), time.monotonic()\n"
+        "while time.monotonic() - wall < 1.0: pass\n"
+        "print(time.process_time() - cpu)")
+
+
+def cgroup_cpu_controller() -> bool:
+    v2 = Path("/sys/fs/cgroup/cgroup.controllers")
+    return os.geteuid() == 0 and ((v2.exists() and "cpu" in v2.read_text().split())
+                                  or Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us").exists())
+
+
+@pytest.mark.skipif(not cgroup_cpu_controller(), reason="needs root and a cgroup CPU controller")
+def test_the_quota_holds_the_commands_children_and_the_cgroup_is_removed_after() -> None:
+    result = subprocess.run([sys.executable, SCRIPT, "--cpus", "0.1", "--", sys.executable, "-c", SPIN],
+                            capture_output=True, text=True, check=True)
+    lines = result.stdout.splitlines()
+    cgroup = Path(lines[0].split("cgroup ")[1].split(",")[0])
+    cpu_seconds = float(lines[1])
+    assert cpu_seconds < 0.3  # unthrottled it would get ~1.0 s; 0.1 cores for 1 s is ~0.1 s
+    assert "the quota was spent in" in lines[2]
+    assert not cgroup.exists()
+
+
+def test_a_quota_above_the_machines_cores_says_what_it_may_be() -> None:
+    result = subprocess.run([sys.executable, SCRIPT, "--cpus", "1000", "--", "true"], capture_output=True, text=True)
+    assert result.returncode == 2
+    assert "--cpus must be above 0 and at most this machine's" in result.stderr
