@@ -30,6 +30,13 @@ V1_CPU = Path("/sys/fs/cgroup/cpu")
 
 def make_cgroup(cpus: float, period_us: int) -> tuple[Path, Path]:
     """A new cgroup limited to `cpus` cores; returns it and the cgroup to move back to afterwards."""
+    try:
+        return _make_cgroup(cpus, period_us)
+    except PermissionError as error:
+        raise SystemExit(f"cannot make a cgroup ({error}): run this as root") from None
+
+
+def _make_cgroup(cpus: float, period_us: int) -> tuple[Path, Path]:
     name = f"rollstream-slow-{os.getpid()}"
     quota_us = max(1000, round(cpus * period_us))  # the kernel's floor is 1 ms
     controllers = V2_ROOT / "cgroup.controllers"
