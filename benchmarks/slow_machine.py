@@ -41,6 +41,9 @@ def _make_cgroup(cpus: float, period_us: int) -> tuple[Path, Path]:
     quota_us = max(1000, round(cpus * period_us))  # the kernel's floor is 1 ms
     controllers = V2_ROOT / "cgroup.controllers"
     if controllers.exists() and "cpu" in controllers.read_text().split():
+        subtree = V2_ROOT / "cgroup.subtree_control"
+        if "cpu" not in subtree.read_text().split():
+            subtree.write_text("+cpu")  # children get cpu.max only where the parent hands the controller down
         group = V2_ROOT / name
         group.mkdir()
         (group / "cpu.max").write_text(f"{quota_us} {period_us}")
