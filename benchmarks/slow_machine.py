@@ -28,34 +28,37 @@ V2_ROOT = Path("/sys/fs/cgroup")
 V1_CPU = Path("/sys/fs/cgroup/cpu")
 
 
-def make_cgroup(cpus: float, period_us: int) -> tuple[Path, Path]:
-    """A new cgroup limited to `cpus` cores; returns it and the cgroup to move back to afterwards."""
-    try:
-        return _make_cgroup(cpus, period_us)
-    except PermissionError as error:
-        raise SystemExit(f"cannot make a cgroup ({error}): run this as root") from None
-
-
-def _make_cgroup(cpus: float, period_us: int) -> tuple[Path, Path]:
-    name = f"rollstream-slow-{os.getpid()}"
-    quota_us = max(1000, round(cpus * period_us))  # the kernel's floor is 1 ms
+def cpu_hierarchy() -> tuple[str, Path] | None:
+    """The cgroup hierarchy with a CPU controller: ("v2", its root) where the unified hierarchy has one, else
+    ("v1", the cpu controller's mount); None where neither has."""
     controllers = V2_ROOT / "cgroup.controllers"
     if controllers.exists() and "cpu" in controllers.read_text().split():
-        subtree = V2_ROOT / "cgroup.subtree_control"
+        return "v2", V2_ROOT
+    if (V1_CPU / "cpu.cfs_quota_us").exists():
+        return "v1", V1_CPU
+    return None
+
+
+def make_cgroup(cpus: float, period_us: int) -> tuple[Path, Path]:
+    """A new cgroup limited to `cpus` cores; returns it and the cgroup to move back to afterwards."""
+    hierarchy = cpu_hierarchy()
+    if hierarchy is None:
+        raise SystemExit("no cgroup CPU controller found (neither /sys/fs/cgroup/cpu.max nor "
+                         "/sys/fs/cgroup/cpu/cpu.cfs_quota_us): run this as root on a Linux machine with cgroups")
+    version, root = hierarchy
+    group = root / f"rollstream-slow-{os.getpid()}"
+    quota_us = max(1000, round(cpus * period_us))  # the kernel's floor is 1 ms
+    if version == "v2":
+        subtree = root / "cgroup.subtree_control"
         if "cpu" not in subtree.read_text().split():
             subtree.write_text("+cpu")  # children get cpu.max only where the parent hands the controller down
-        group = V2_ROOT / name
         group.mkdir()
         (group / "cpu.max").write_text(f"{quota_us} {period_us}")
-        return group, V2_ROOT
-    if (V1_CPU / "cpu.cfs_quota_us").exists():
-        group = V1_CPU / name
+    else:
         group.mkdir()
         (group / "cpu.cfs_period_us").write_text(str(period_us))
         (group / "cpu.cfs_quota_us").write_text(str(quota_us))
-        return group, V1_CPU
-    raise SystemExit("no cgroup CPU controller found (neither /sys/fs/cgroup/cpu.max nor "
-                     "/sys/fs/cgroup/cpu/cpu.cfs_quota_us): run this as root on a Linux machine with cgroups")
+    return group, root
 
 
 def throttled_periods(group: Path) -> tuple[int, int]:
@@ -78,7 +81,10 @@ def main() -> int:
     cores = os.cpu_count() or 1
     if not 0 < args.cpus <= cores:
         parser.error(f"--cpus must be above 0 and at most this machine's {cores} cores, not {args.cpus}")
-    group, parent = make_cgroup(args.cpus, round(args.period_ms * 1000))
+    try:
+        group, parent = make_cgroup(args.cpus, round(args.period_ms * 1000))
+    except PermissionError as error:
+        raise SystemExit(f"cannot make a cgroup ({error}): run this as root") from None
     print(f"slow_machine: {args.cpus:g} of {cores} cores (cgroup {group}, period {args.period_ms:g} ms)",
           flush=True)
     try:

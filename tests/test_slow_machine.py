@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.benchmark_modules import BENCHMARKS
+from tests.benchmark_modules import BENCHMARKS, load_benchmark
 
+slow_machine = load_benchmark("slow_machine")
 SCRIPT = str(BENCHMARKS / "slow_machine.py")
 # A child that spins for a second of wall clock and prints the CPU seconds it got.
 SPIN = ("import time; cpu, wall = time.process_time(), time.monotonic()\n"
@@ -17,12 +18,9 @@ SPIN = ("import time; cpu, wall = time.process_time(), time.monotonic()\n"
 
 
 def cgroup_cpu_controller() -> bool:
-    """Whether this process may make a cgroup with a CPU quota (root, a controller, a writable hierarchy)."""
-    v2, v1 = Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/cpu")
-    controllers = v2 / "cgroup.controllers"
-    if controllers.exists() and "cpu" in controllers.read_text().split():
-        return os.access(v2, os.W_OK)
-    return (v1 / "cpu.cfs_quota_us").exists() and os.access(v1, os.W_OK)
+    """Whether this process may make a cgroup with a CPU quota: a controller, in a hierarchy it may write (root)."""
+    hierarchy = slow_machine.cpu_hierarchy()
+    return hierarchy is not None and os.access(hierarchy[1], os.W_OK)
 
 
 @pytest.mark.skipif(not cgroup_cpu_controller(), reason="needs a writable cgroup CPU controller (root)")
