@@ -60,8 +60,9 @@ def run_trainer(cfg: RollstreamConfig, client: redis.Redis, *, consumer: str = "
                dynamic_ncols=True)
     try:
         for step in range(start, cfg.max_steps):
+            val_round = None
             if validator and step % cfg.eval_steps == 0 and not stop.is_set():
-                metrics.log(step, validator.run(step, version=step))
+                val_round = validator.start(step, version=step, stop=stop)
             batch, waiting = None, time.monotonic()
             while batch is None and not stop.is_set():  # the wait is every round of this loop, not the last
                 batcher.ledger.expect_version(step)  # each second: Redis may have lost steps while we wait
@@ -72,6 +73,9 @@ def run_trainer(cfg: RollstreamConfig, client: redis.Redis, *, consumer: str = "
             timer = PhaseTimer()
             stats = learner.train_step(batch)
             timer.lap("train")
+            if val_round:  # the round is played by this step's version: publish the next one only after it
+                metrics.log(step, val_round.result())
+                timer.lap("val_wait")
             announcement = publish(cfg, client, batcher.keys, learner, step + 1)
             timer.lap("publish")
             batcher.commit(batch, announcement)
@@ -98,11 +102,13 @@ def run_trainer(cfg: RollstreamConfig, client: redis.Redis, *, consumer: str = "
             bar.set_postfix(success=f"{stats.get('rollout/success', 0):.2f}",
                             held_out=f"{metrics.latest('val/success') or 0:.2f}", wait=f"{wait_s:.1f}s")
         if validator and not stop.is_set() and batcher.ledger.version() == cfg.max_steps > start:
-            metrics.log(cfg.max_steps, validator.run(cfg.max_steps, version=cfg.max_steps))
+            metrics.log(cfg.max_steps, validator.run(cfg.max_steps, version=cfg.max_steps, stop=stop))
         if not stop.is_set() and batcher.ledger.version() >= cfg.max_steps:
             finish_experiment(batcher, cfg.max_steps)
     finally:
         bar.close()
+        if validator:
+            validator.close()
         if recorder:
             recorder.close()
         learner.close()

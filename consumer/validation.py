@@ -4,14 +4,20 @@ Round n plays a fixed set of held-out episodes (the seed of val group g is a fun
 every round plays the same maps and rounds compare): each map once greedily (`val/...`) and
 `val_sampled_episodes` times sampled as in training (`val_sampled/...`; on the first `val_sampled_maps` only,
 where set). Val trajectories travel on their own stream, `<ns>:val`, so they can never enter a train batch.
+
+A round is collected on a thread, so the trainer trains step n's batch while the workers play round n (else its
+core idles through every round); it publishes version n + 1 only once the round is in, so every episode of
+round n is played by version n (`val/off_version` counts any that was not).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import threading
 import time
 from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import redis
 
@@ -42,15 +48,31 @@ class Validator:
                                    count=cfg.redis.read_count, block_ms=cfg.redis.block_ms)
         client.delete(self.keys.paused)  # a trainer that died mid-round must not leave producers paused
         self.references = reference_stats(cfg)
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="validation")
+        self._closing = threading.Event()
 
-    def run(self, round_: int, version: int) -> dict[str, float]:
-        """One round at policy `version`; returns `val/...` metrics. Train admission is paused throughout."""
-        start = time.monotonic()
+    def start(self, round_: int, version: int, stop: threading.Event | None = None) -> Future[dict[str, float]]:
+        """Begin round `round_` at policy `version` and collect it on a thread; the future holds its `val/...`
+        metrics. Train admission stays paused until the round is in. Publish no newer version before then: the
+        workers load new weights as they are announced, and the whole round is to be played by `version`."""
+        started = time.monotonic()
         # The flag holds the round too, so a worker that starts mid-round still plays its share.
         self.client.set(self.keys.paused, PausedRound(round_, version).value())
         self._announce(ValidationStarted(round_, version))
+        return self._thread.submit(self._finish, round_, version, started, stop or threading.Event())
+
+    def run(self, round_: int, version: int, stop: threading.Event | None = None) -> dict[str, float]:
+        """One round at policy `version`, waited for; returns `val/...` metrics."""
+        return self.start(round_, version, stop).result()
+
+    def close(self) -> None:
+        """Abandon a round still in flight (its pause is lifted) and end the thread."""
+        self._closing.set()
+        self._thread.shutdown(wait=True)
+
+    def _finish(self, round_: int, version: int, started: float, stop: threading.Event) -> dict[str, float]:
         try:
-            trajs, failed = self._collect(round_)
+            trajs, failed = self._collect(round_, stop)
         finally:
             self.client.delete(self.keys.paused)
             self._announce(ValidationEnded(round_))
@@ -59,14 +81,17 @@ class Validator:
         stats = per_tag_stats("val", greedy) | per_tag_stats("val_sampled", sampled) | self.references
         if len(self.cfg.val_layout.groups) > RECORD_MAPS:
             stats |= first_maps_success(greedy, RECORD_MAPS)
+        # Not the round's version: a turn from other weights (none, while the trainer holds publication back).
+        off_version = sum(any(turn.version != version for turn in t.turns) for t in trajs)
         stats |= {"val/episodes": float(len(trajs)), "val/failed": float(failed),
-                  "val/missing": float(self.expected - len(trajs) - failed), "time/val_s": time.monotonic() - start}
+                  "val/missing": float(self.expected - len(trajs) - failed), "val/off_version": float(off_version),
+                  "time/val_s": time.monotonic() - started}
         return stats
 
     def _announce(self, message: ControlMessage) -> None:
         add_control(self.client, self.keys.control, message)
 
-    def _collect(self, round_: int) -> tuple[list[Trajectory], int]:
+    def _collect(self, round_: int, stop: threading.Event) -> tuple[list[Trajectory], int]:
         deadline = time.monotonic() + self.cfg.group_timeout_s
         trajs: dict[str, Trajectory] = {}
         failed: Counter[str] = Counter()  # notices per group: one per failed member
@@ -75,6 +100,8 @@ class Validator:
             return len(trajs) + sum(min(n, self.cfg.val_members(parse_group_id(g)[2])) for g, n in failed.items())
 
         while done() < self.expected and time.monotonic() < deadline:
+            if stop.is_set() or self._closing.is_set():
+                break
             entries = self.reader.read()
             for entry in entries:
                 item = entry.item

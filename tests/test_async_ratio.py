@@ -1,7 +1,8 @@
 """The version cap, provably: a simulation over hundreds of steps for r = 0, 1, 2 against a real Redis.
 
 Scripted policy with random per-reply delays, 4 workers, a trainer whose step sleeps; every step checks
-staleness, the backlog bound, r = 0's on-policy guarantee, reconciliation and that validation never mixes in.
+staleness, the backlog bound, r = 0's on-policy guarantee, reconciliation and that validation never mixes in;
+validation rounds overlap the training of their step and are still played by one version.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ class CheckingLearner:
         self.max_in_flight = 0
         self.mixed_version_trajectories = 0
         self.steps = 0
+        self.trained_during_round = 0
+        """Steps that began while a validation round was in progress."""
 
     def train_step(self, batch: Batch) -> dict[str, float]:
         step, r = batch.step, self.ratio
@@ -47,6 +50,7 @@ class CheckingLearner:
         assert counts["in_flight"] <= (r + 1) * GROUPS_PER_BATCH, counts
         assert counts["admitted"] - counts.get("returned", 0) <= admission_cap(step, r, GROUPS_PER_BATCH)
         self.max_in_flight = max(self.max_in_flight, counts["in_flight"])
+        self.trained_during_round += bool(self.client.exists(self.keys.paused))
         self.steps += 1
         time.sleep(self.step_s)
         return {}
@@ -92,6 +96,11 @@ def test_version_cap_holds_over_hundreds_of_steps(ratio: int, tmp_path, redis_se
     # Every round complete: 6 held-out maps, each played greedily, the first 4 (val_sampled_maps) once sampled too.
     assert summary.history["val/episodes"] == [(s, 10.0) for s in (0, 50, 100, 150)]
     assert summary.history["val/missing"] == [(s, 0.0) for s in (0, 50, 100, 150)]
+    # Rounds at steps 50 and 100 begin with the step's batch generated ahead (r > 0), so the step trains while
+    # the round is played; the round's episodes still all come from the step's version.
+    assert summary.history["val/off_version"] == [(s, 0.0) for s in (0, 50, 100, 150)]
+    if ratio > 0:
+        assert learner.trained_during_round > 0
     assert len(summary.history["val/FrozenLake/success"]) == len(summary.history["val/SimpleSokoban/success"]) == 4
     assert len(summary.history["val_sampled/success"]) == 4  # the first 4 maps, all FrozenLake: not split by tag
     assert redis_client.xlen(keys.val) == 0 and not redis_client.exists(keys.paused)
