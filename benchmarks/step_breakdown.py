@@ -6,10 +6,13 @@ Reads the `metrics.jsonl` that every trainer writes into its output dir (`make r
 and splits each step's period (the time between two consecutive step records) into the phases the trainer times:
 - `wait`: until the batch's groups are complete (the XREADGROUP reads and the decoding of the entries included;
   with generation ahead of training, nearly all of it is the read);
-- `train`: the learner's step; `publish`: weights written (and copied into Redis under `weights_transport: redis`);
+- `train`: the learner's step;
+- `val_wait`: on a step that starts a validation round (every `eval_steps`), the wait for the round after the
+  update, which ran while the round was played (the next version is published only once the round is in);
+- `publish`: weights written (and copied into Redis under `weights_transport: redis`);
 - `commit`: the ledger's commit (one Lua script: versions, trained groups, acks, the announcement);
 - `checkpoint`: every `save_steps`; `prune`: old weight versions removed;
-- `other`: what is left of the period (validation rounds every `eval_steps`, metrics, the console).
+- `other`: what is left of the period (metrics, the console).
 The baseline is the period itself: every share is of the measured step time, in the same run. The first `--skip`
 steps (warm-up, first compilation) are left out. Medians over steps, with the 10th and 90th percentiles.
 """
@@ -23,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-PHASES = ("wait", "train", "publish", "commit", "checkpoint", "prune")
+PHASES = ("wait", "train", "val_wait", "publish", "commit", "checkpoint", "prune")
 
 
 def step_records(path: Path) -> list[dict[str, float]]:

@@ -74,7 +74,8 @@ def run_trainer(cfg: RollstreamConfig, client: redis.Redis, *, consumer: str = "
             stats = learner.train_step(batch)
             timer.lap("train")
             if val_round:  # the round is played by this step's version: publish the next one only after it
-                metrics.log(step, val_round.result())
+                if val_stats := val_round.result():
+                    metrics.log(step, val_stats)
                 timer.lap("val_wait")
             announcement = publish(cfg, client, batcher.keys, learner, step + 1)
             timer.lap("publish")
@@ -102,7 +103,8 @@ def run_trainer(cfg: RollstreamConfig, client: redis.Redis, *, consumer: str = "
             bar.set_postfix(success=f"{stats.get('rollout/success', 0):.2f}",
                             held_out=f"{metrics.latest('val/success') or 0:.2f}", wait=f"{wait_s:.1f}s")
         if validator and not stop.is_set() and batcher.ledger.version() == cfg.max_steps > start:
-            metrics.log(cfg.max_steps, validator.run(cfg.max_steps, version=cfg.max_steps, stop=stop))
+            if val_stats := validator.run(cfg.max_steps, version=cfg.max_steps, stop=stop):
+                metrics.log(cfg.max_steps, val_stats)
         if not stop.is_set() and batcher.ledger.version() >= cfg.max_steps:
             finish_experiment(batcher, cfg.max_steps)
     finally:

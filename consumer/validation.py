@@ -53,8 +53,9 @@ class Validator:
 
     def start(self, round_: int, version: int, stop: threading.Event | None = None) -> Future[dict[str, float]]:
         """Begin round `round_` at policy `version` and collect it on a thread; the future holds its `val/...`
-        metrics. Train admission stays paused until the round is in. Publish no newer version before then: the
-        workers load new weights as they are announced, and the whole round is to be played by `version`."""
+        metrics, none if `stop` ended the round first. Train admission stays paused until the round is in.
+        Publish no newer version before then: the workers load new weights as they are announced, and the whole
+        round is to be played by `version`."""
         started = time.monotonic()
         # The flag holds the round too, so a worker that starts mid-round still plays its share.
         self.client.set(self.keys.paused, PausedRound(round_, version).value())
@@ -62,7 +63,7 @@ class Validator:
         return self._thread.submit(self._finish, round_, version, started, stop or threading.Event())
 
     def run(self, round_: int, version: int, stop: threading.Event | None = None) -> dict[str, float]:
-        """One round at policy `version`, waited for; returns `val/...` metrics."""
+        """One round at policy `version`, waited for; returns `val/...` metrics (none if `stop` ended it)."""
         return self.start(round_, version, stop).result()
 
     def close(self) -> None:
@@ -76,6 +77,8 @@ class Validator:
         finally:
             self.client.delete(self.keys.paused)
             self._announce(ValidationEnded(round_))
+        if stop.is_set() or self._closing.is_set():
+            return {}  # abandoned: the part played is not the round
         greedy = [t for t in trajs if t.member == VAL_GREEDY_MEMBER]
         sampled = [t for t in trajs if t.member != VAL_GREEDY_MEMBER]
         stats = per_tag_stats("val", greedy) | per_tag_stats("val_sampled", sampled) | self.references

@@ -7,6 +7,7 @@ validation rounds overlap the training of their step and are still played by one
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -104,3 +105,43 @@ def test_version_cap_holds_over_hundreds_of_steps(ratio: int, tmp_path, redis_se
     assert len(summary.history["val/FrozenLake/success"]) == len(summary.history["val/SimpleSokoban/success"]) == 4
     assert len(summary.history["val_sampled/success"]) == 4  # the first 4 maps, all FrozenLake: not split by tag
     assert redis_client.xlen(keys.val) == 0 and not redis_client.exists(keys.paused)
+
+
+class StoppingLearner(CheckingLearner):
+    """Stops the trainer (as SIGTERM does) from inside the step that a validation round overlaps."""
+
+    def __init__(self, client: redis.Redis, keys: Keys, stop: threading.Event, at_step: int) -> None:
+        super().__init__(client, keys, ratio=1, step_s=0.0)
+        self.stop, self.at_step = stop, at_step
+        self.round_in_progress = False
+
+    def train_step(self, batch: Batch) -> dict[str, float]:
+        if batch.step == self.at_step:
+            self.round_in_progress = bool(self.client.exists(self.keys.paused))
+            self.stop.set()
+        return super().train_step(batch)
+
+
+def test_a_stop_during_an_overlapped_round_ends_it(tmp_path, redis_server, redis_client) -> None:
+    # Slow replies, so the round at step 4 is still being played when its step trains. The stop ends the round's
+    # collection and lifts the pause; the step in hand commits (as any step does that a stop comes during), and
+    # the part of the round played is not logged as the round.
+    cfg = scripted_config(
+        tmp_path, "exp_name=stopround", "max_steps=20", "eval_steps=4", "rollout_batch_size=16",
+        "train_env_manager.group_size=4", "train_env_manager.num_env_groups=8",
+        "train_env_manager.num_groups_partition=[6,2]", "train_env_manager.max_env_num_per_worker=8",
+        "actor_infer.strategy_args.strategy_config.delay_s=0.05", "val_env_manager.num_env_groups=8",
+        "val_env_manager.tags=[FrozenLake]", "val_env_manager.max_env_num_per_worker=2", "group_timeout_s=120",
+    )
+    keys = Keys.for_exp(cfg.exp_name)
+    stop = threading.Event()
+    learner = StoppingLearner(redis_client, keys, stop, at_step=4)
+    with workers_in_thread(cfg, redis_server.url):
+        started = time.monotonic()
+        summary = run_trainer(cfg, redis_client, learner=learner, stop=stop, progress=False)
+        stopped_in = time.monotonic() - started
+    assert learner.round_in_progress, "the round at step 4 had ended before its step trained: slow the replies"
+    assert summary.last_version == 5
+    assert not redis_client.exists(keys.paused)
+    assert [s for s, _ in summary.history["val/episodes"]] == [0]  # the round at step 4 was abandoned
+    assert stopped_in < 60  # the round's collection did not wait out group_timeout_s
