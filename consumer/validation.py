@@ -5,9 +5,9 @@ every round plays the same maps and rounds compare): each map once greedily (`va
 `val_sampled_episodes` times sampled as in training (`val_sampled/...`; on the first `val_sampled_maps` only,
 where set). Val trajectories travel on their own stream, `<ns>:val`, so they can never enter a train batch.
 
-A round is collected on a thread, so the trainer trains step n's batch while the workers play round n (else its
-core idles through every round); it publishes version n + 1 only once the round is in, so every episode of
-round n is played by version n (`val/off_version` counts any that was not).
+A round is collected on a thread, so the trainer trains step n's batch while the workers play round n; it
+publishes version n + 1 only once the round is in, so every episode of round n is played by version n
+(`val/off_version` counts any that was not).
 """
 
 from __future__ import annotations
@@ -73,12 +73,13 @@ class Validator:
 
     def _finish(self, round_: int, version: int, started: float, stop: threading.Event) -> dict[str, float]:
         try:
-            trajs, failed = self._collect(round_, stop)
+            collected = self._collect(round_, stop)
         finally:
             self.client.delete(self.keys.paused)
             self._announce(ValidationEnded(round_))
-        if stop.is_set() or self._closing.is_set():
+        if collected is None:
             return {}  # abandoned: the part played is not the round
+        trajs, failed = collected
         greedy = [t for t in trajs if t.member == VAL_GREEDY_MEMBER]
         sampled = [t for t in trajs if t.member != VAL_GREEDY_MEMBER]
         stats = per_tag_stats("val", greedy) | per_tag_stats("val_sampled", sampled) | self.references
@@ -94,7 +95,9 @@ class Validator:
     def _announce(self, message: ControlMessage) -> None:
         add_control(self.client, self.keys.control, message)
 
-    def _collect(self, round_: int, stop: threading.Event) -> tuple[list[Trajectory], int]:
+    def _collect(self, round_: int, stop: threading.Event) -> tuple[list[Trajectory], int] | None:
+        """The round's trajectories and its failed episodes, once all are in or group_timeout_s has passed;
+        None if `stop` or close() ended the collection first."""
         deadline = time.monotonic() + self.cfg.group_timeout_s
         trajs: dict[str, Trajectory] = {}
         failed: Counter[str] = Counter()  # notices per group: one per failed member
@@ -104,7 +107,7 @@ class Validator:
 
         while done() < self.expected and time.monotonic() < deadline:
             if stop.is_set() or self._closing.is_set():
-                break
+                return None
             entries = self.reader.read()
             for entry in entries:
                 item = entry.item
