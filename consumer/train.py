@@ -52,7 +52,7 @@ def run_trainer(cfg: RollstreamConfig, client: redis.Redis, *, consumer: str = "
     learner = learner or make_learner(cfg)
     metrics = MetricsLogger(cfg)
     recorder = Recorder(cfg.record_to) if cfg.record_to else None
-    validator = Validator(client, cfg, consumer) if cfg.eval_steps else None
+    validator = Validator(client, cfg, consumer, stop) if cfg.eval_steps else None
     start = batcher.ledger.version()
     _reopen_if_extended(cfg, batcher.ledger, start)
     resume(cfg, learner, batcher.ledger, start)
@@ -62,7 +62,7 @@ def run_trainer(cfg: RollstreamConfig, client: redis.Redis, *, consumer: str = "
         for step in range(start, cfg.max_steps):
             val_round = None
             if validator and step % cfg.eval_steps == 0 and not stop.is_set():
-                val_round = validator.start(step, version=step, stop=stop)
+                val_round = validator.start(step, version=step)
             batch, waiting = None, time.monotonic()
             while batch is None and not stop.is_set():  # the wait is every round of this loop, not the last
                 batcher.ledger.expect_version(step)  # each second: Redis may have lost steps while we wait
@@ -73,7 +73,7 @@ def run_trainer(cfg: RollstreamConfig, client: redis.Redis, *, consumer: str = "
             timer = PhaseTimer()
             stats = learner.train_step(batch)
             timer.lap("train")
-            if val_round:  # the round is played by this step's version: publish the next one only after it
+            if val_round is not None:  # the round is played by this step's version: publish the next one only after it
                 if val_stats := val_round.result():
                     metrics.log(step, val_stats)
                 timer.lap("val_wait")
@@ -103,7 +103,7 @@ def run_trainer(cfg: RollstreamConfig, client: redis.Redis, *, consumer: str = "
             bar.set_postfix(success=f"{stats.get('rollout/success', 0):.2f}",
                             held_out=f"{metrics.latest('val/success') or 0:.2f}", wait=f"{wait_s:.1f}s")
         if validator and not stop.is_set() and batcher.ledger.version() == cfg.max_steps > start:
-            if val_stats := validator.run(cfg.max_steps, version=cfg.max_steps, stop=stop):
+            if val_stats := validator.run(cfg.max_steps, version=cfg.max_steps):
                 metrics.log(cfg.max_steps, val_stats)
         if not stop.is_set() and batcher.ledger.version() >= cfg.max_steps:
             finish_experiment(batcher, cfg.max_steps)

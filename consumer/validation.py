@@ -39,7 +39,9 @@ reads against the FrozenLake record kept on these (docs/learning.md)."""
 
 
 class Validator:
-    def __init__(self, client: redis.Redis, cfg: RollstreamConfig, consumer: str = "trainer-0") -> None:
+    def __init__(self, client: redis.Redis, cfg: RollstreamConfig, consumer: str = "trainer-0",
+                 stop: threading.Event | None = None) -> None:
+        """`stop`: the trainer's; once set, a round in progress is abandoned."""
         self.client = client
         self.cfg = cfg
         self.keys = Keys.for_exp(cfg.exp_name)
@@ -49,31 +51,32 @@ class Validator:
         client.delete(self.keys.paused)  # a trainer that died mid-round must not leave producers paused
         self.references = reference_stats(cfg)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="validation")
+        self._stop = stop or threading.Event()
         self._closing = threading.Event()
 
-    def start(self, round_: int, version: int, stop: threading.Event | None = None) -> Future[dict[str, float]]:
+    def start(self, round_: int, version: int) -> Future[dict[str, float]]:
         """Begin round `round_` at policy `version` and collect it on a thread; the future holds its `val/...`
-        metrics, none if `stop` ended the round first. Train admission stays paused until the round is in.
+        metrics, none if a stop ended the round first. Train admission stays paused until the round is in.
         Publish no newer version before then: the workers load new weights as they are announced, and the whole
         round is to be played by `version`."""
         started = time.monotonic()
         # The flag holds the round too, so a worker that starts mid-round still plays its share.
         self.client.set(self.keys.paused, PausedRound(round_, version).value())
         self._announce(ValidationStarted(round_, version))
-        return self._thread.submit(self._finish, round_, version, started, stop or threading.Event())
+        return self._thread.submit(self._finish, round_, version, started)
 
-    def run(self, round_: int, version: int, stop: threading.Event | None = None) -> dict[str, float]:
-        """One round at policy `version`, waited for; returns `val/...` metrics (none if `stop` ended it)."""
-        return self.start(round_, version, stop).result()
+    def run(self, round_: int, version: int) -> dict[str, float]:
+        """One round at policy `version`, waited for; returns `val/...` metrics (none if a stop ended it)."""
+        return self.start(round_, version).result()
 
     def close(self) -> None:
         """Abandon a round still in flight (its pause is lifted) and end the thread."""
         self._closing.set()
         self._thread.shutdown(wait=True)
 
-    def _finish(self, round_: int, version: int, started: float, stop: threading.Event) -> dict[str, float]:
+    def _finish(self, round_: int, version: int, started: float) -> dict[str, float]:
         try:
-            collected = self._collect(round_, stop)
+            collected = self._collect(round_)
         finally:
             self.client.delete(self.keys.paused)
             self._announce(ValidationEnded(round_))
@@ -95,9 +98,9 @@ class Validator:
     def _announce(self, message: ControlMessage) -> None:
         add_control(self.client, self.keys.control, message)
 
-    def _collect(self, round_: int, stop: threading.Event) -> tuple[list[Trajectory], int] | None:
+    def _collect(self, round_: int) -> tuple[list[Trajectory], int] | None:
         """The round's trajectories and its failed episodes, once all are in or group_timeout_s has passed;
-        None if `stop` or close() ended the collection first."""
+        None if the trainer's stop or close() ended the collection first."""
         deadline = time.monotonic() + self.cfg.group_timeout_s
         trajs: dict[str, Trajectory] = {}
         failed: Counter[str] = Counter()  # notices per group: one per failed member
@@ -106,7 +109,7 @@ class Validator:
             return len(trajs) + sum(min(n, self.cfg.val_members(parse_group_id(g)[2])) for g, n in failed.items())
 
         while done() < self.expected and time.monotonic() < deadline:
-            if stop.is_set() or self._closing.is_set():
+            if self._stop.is_set() or self._closing.is_set():
                 return None
             entries = self.reader.read()
             for entry in entries:
