@@ -384,6 +384,9 @@ class RollstreamConfig:
     """Log metrics every this many steps."""
     eval_steps: Count = 0
     """Validate (val_env_manager, temperature 0) before every step divisible by this and after the last; 0: never."""
+    val_before_train: bool = True
+    """Also validate before step 0 (the warm start's held-out score); false: the first round is at step eval_steps.
+    The step-0 round holds back the first batch while it plays (the pause), longest of all rounds at a warm start."""
     val_sampled_episodes: Count = 1
     """Validation also plays each held-out map this many times sampled, as `val_sampled/...`; 0: greedy only."""
     val_sampled_maps: PositiveInt | None = None

@@ -2,7 +2,8 @@
 
 Scripted policy with random per-reply delays, 4 workers, a trainer whose step sleeps; every step checks
 staleness, the backlog bound, r = 0's on-policy guarantee, reconciliation and that validation never mixes in;
-validation rounds overlap the training of their step and are still played by one version.
+validation rounds overlap the training of their step and are still played by one version; the round before
+training is optional.
 """
 
 from __future__ import annotations
@@ -145,3 +146,20 @@ def test_a_stop_during_an_overlapped_round_ends_it(tmp_path, redis_server, redis
     assert not redis_client.exists(keys.paused)
     assert [s for s, _ in summary.history["val/episodes"]] == [0]  # the round at step 4 was abandoned
     assert stopped_in < 60  # the round's collection did not wait out group_timeout_s
+
+
+def test_without_the_round_before_training_the_first_round_is_at_eval_steps(tmp_path, redis_server,
+                                                                           redis_client) -> None:
+    cfg = scripted_config(
+        tmp_path, "exp_name=nostartround", "max_steps=8", "eval_steps=4", "val_before_train=false",
+        "rollout_batch_size=16", "train_env_manager.group_size=4", "train_env_manager.num_env_groups=8",
+        "train_env_manager.num_groups_partition=[6,2]", "train_env_manager.max_env_num_per_worker=8",
+        "actor_infer.strategy_args.strategy_config.delay_s=0.001", "val_env_manager.num_env_groups=4",
+        "val_env_manager.tags=[FrozenLake]", "val_env_manager.max_env_num_per_worker=2",
+    )
+    keys = Keys.for_exp(cfg.exp_name)
+    learner = CheckingLearner(redis_client, keys, ratio=1, step_s=0.0)
+    with workers_in_thread(cfg, redis_server.url):
+        summary = run_trainer(cfg, redis_client, learner=learner, progress=False)
+    assert summary.last_version == 8
+    assert [s for s, _ in summary.history["val/episodes"]] == [4, 8]  # no round at step 0; the last still runs
