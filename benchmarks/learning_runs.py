@@ -69,8 +69,9 @@ validation (a format wobble), and the largest step, as its approximate KL (a lar
 class Run:
     seed: int
     build_s: float | None
-    """From launch to the trainer's first logged metric: model build, engine start, first validation round
-    (None for a run reported from its output dir, whose launch time is not known)."""
+    """From launch to the trainer's start, the zero of its metrics' minutes: the model's build and the processes'
+    start; the engine's start and any round before step 0 come after, on the run's clock (None for a run reported
+    from its output dir before this was kept)."""
     records: list[dict[str, float]] = field(default_factory=list)
     max_steps: int | None = None
     """The config's; a run whose records end before a mark without reaching it was stopped early."""
@@ -347,7 +348,7 @@ def main() -> None:
         print(f"{name} per run: {', '.join('-' if v is None else f'{v:.3f}' for v in values)}")
     builds = [r.build_s for r in runs if r.build_s is not None]
     if builds:
-        print(f"launch to first metric (model build, engine start, first validation): {min(builds):.0f}-"
+        print(f"launch to the trainer's start (model build, processes' start): {min(builds):.0f}-"
               f"{max(builds):.0f} s")
     for name, value in sorted(refs.items()):
         print(f"reference {name}: {value:.3f} (seed {seeds[0]}'s held-out maps)")
