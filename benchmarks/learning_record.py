@@ -38,7 +38,8 @@ change to it that computed the same updates, or of the next config measured befo
 2026-12-05; `overlap_m31` and `base_m31`: validation beside the update, shipped on 2026-12-06, and the trainer
 before it, the same updates; `nov0_m32`: no round before step 0, shipped on 2026-12-06, the same updates;
 docs/learning.md says which is which), in the order taken; each the runs of one or more
-`learning_runs-frozen_lake_<name>.csv` (a measurement of three written in two parts; `<name>-first64`: runs validated on more maps, read on their first 64, `learning_runs.py --first-maps 64`)."""
+`learning_runs-frozen_lake_<name>.csv` (a measurement of three written in two parts; `<name>-first64`: runs
+validated on more maps, read on their first 64, `learning_runs.py --first-maps 64`)."""
 RECORD_256 = (("val256_m25",), ("shipped_m25",), ("shipped_m26",), ("fatalS_m26",), ("fatalS_s12_m26",),
               ("shipped_m27",), ("shipped_m28",), ("fatalS_s34_m28",), ("shipped_m30",), ("overlap_m31", "base_m31"),
               ("shipped_m32",), ("nov0_m32",))
