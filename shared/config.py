@@ -386,7 +386,7 @@ class RollstreamConfig:
     """Validate (val_env_manager, temperature 0) before every step divisible by this and after the last; 0: never."""
     val_before_train: bool = True
     """Also validate before step 0 (the warm start's held-out score); false: the first round is at step eval_steps.
-    The step-0 round holds back the first batch while it plays (the pause), longest of all rounds at a warm start."""
+    That round holds the first batch back while it plays: train admission is paused during every round."""
     val_sampled_episodes: Count = 1
     """Validation also plays each held-out map this many times sampled, as `val_sampled/...`; 0: greedy only."""
     val_sampled_maps: PositiveInt | None = None
