@@ -61,7 +61,7 @@ def run_trainer(cfg: RollstreamConfig, client: redis.Redis, *, consumer: str = "
     try:
         for step in range(start, cfg.max_steps):
             val_round = None
-            if validator and step % cfg.eval_steps == 0 and (step or cfg.val_before_train) and not stop.is_set():
+            if validator and cfg.validates_before(step) and not stop.is_set():
                 val_round = validator.start(step, version=step)
             batch, waiting = None, time.monotonic()
             while batch is None and not stop.is_set():  # the wait is every round of this loop, not the last

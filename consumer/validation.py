@@ -39,8 +39,7 @@ reads against the FrozenLake record kept on these (docs/learning.md)."""
 
 
 class Validator:
-    def __init__(self, client: redis.Redis, cfg: RollstreamConfig, consumer: str = "trainer-0",
-                 stop: threading.Event | None = None) -> None:
+    def __init__(self, client: redis.Redis, cfg: RollstreamConfig, consumer: str, stop: threading.Event) -> None:
         """`stop`: the trainer's; once set, a round in progress is abandoned."""
         self.client = client
         self.cfg = cfg
@@ -51,7 +50,7 @@ class Validator:
         client.delete(self.keys.paused)  # a trainer that died mid-round must not leave producers paused
         self.references = reference_stats(cfg)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="validation")
-        self._stop = stop or threading.Event()
+        self._stop = stop
         self._closing = threading.Event()
 
     def start(self, round_: int, version: int) -> Future[dict[str, float]]:

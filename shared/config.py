@@ -555,6 +555,11 @@ class RollstreamConfig:
 
         return plan_layout(self.val_env_manager, self.custom_envs, "val_env_manager")
 
+    def validates_before(self, step: int) -> bool:
+        """Whether a validation round comes before train step `step`: every `eval_steps`, step 0 only with
+        `val_before_train`."""
+        return bool(self.eval_steps) and step % self.eval_steps == 0 and (step > 0 or self.val_before_train)
+
     def val_members(self, group_index: int) -> int:
         """Episodes a validation round plays on val group `group_index`: one greedy, then the sampled ones if the
         group is among the first `val_sampled_maps`."""
