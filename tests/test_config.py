@@ -58,7 +58,6 @@ def test_validation_samples_only_its_first_maps_where_told() -> None:
     assert [first.val_members(g) for g in (0, 3, 4, 7)] == [3, 3, 1, 1]  # greedy only from map 4 on
 
 
-
 def test_validation_rounds_come_every_eval_steps_and_before_step_0_unless_told() -> None:
     steps = range(9)
     assert [s for s in steps if load_config(CONFIG, ["eval_steps=4"]).validates_before(s)] == [0, 4, 8]
