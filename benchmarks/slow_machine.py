@@ -14,14 +14,24 @@ spends a core. Calibrate it against a real slow machine's figures (update second
 
 Needs root and a cgroup CPU controller: cgroup v2's `cpu.max` where the unified hierarchy has the cpu controller,
 else cgroup v1's `cpu.cfs_quota_us`. The cgroup is made for the command and removed after it.
+
+    .venv/bin/python benchmarks/slow_machine.py --core-share 0.4 -- .venv/bin/python benchmarks/learning_runs.py ...
+
+`--core-share F` is the other model: every core runs at F of its speed. One SCHED_FIFO process pinned to each core
+takes the rest of every `--period-ms` ahead of every normal process, so what runs on a core shares what is left
+of that core, as on a slower core: a busy-polling process spends its own core's share, not a quota the trainer
+needs, and which process goes first on a shared core (niceness) still decides as it does at full speed. It slows
+everything on the machine, not only the command. Needs root (a real-time priority).
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 V2_ROOT = Path("/sys/fs/cgroup")
@@ -67,17 +77,63 @@ def throttled_periods(group: Path) -> tuple[int, int]:
     return int(stat.get("nr_throttled", 0)), int(stat.get("nr_periods", 0))
 
 
+def take_core(core: int, busy_s: float, period_s: float, ready: multiprocessing.SimpleQueue) -> None:
+    """Spin `busy_s` of every `period_s` on `core` at a real-time priority, ahead of every normal process, until
+    the process that started this one is gone (a killed parent must not leave a spinning real-time process)."""
+    parent = os.getppid()
+    try:
+        os.sched_setaffinity(0, {core})
+        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
+    except OSError as error:
+        ready.put(f"core {core}: {error}")
+        return
+    ready.put(None)
+    start = time.monotonic()
+    while os.getppid() == parent:
+        while time.monotonic() < start + busy_s:
+            pass
+        start += period_s
+        time.sleep(max(0.0, start - time.monotonic()))
+
+
+def run_on_slower_cores(command: list[str], share: float, period_s: float) -> int:
+    """Run `command` while every core gives normal processes only `share` of each period."""
+    ready: multiprocessing.SimpleQueue = multiprocessing.SimpleQueue()
+    cores = sorted(os.sched_getaffinity(0))
+    takers = [multiprocessing.Process(target=take_core, args=(core, (1 - share) * period_s, period_s, ready),
+                                      daemon=True) for core in cores]
+    for taker in takers:
+        taker.start()
+    try:
+        errors = [error for error in (ready.get() for _ in cores) if error]
+        if errors:
+            raise SystemExit(f"cannot take a real-time priority ({'; '.join(errors)}): run this as root")
+        return subprocess.call(command)
+    finally:
+        for taker in takers:
+            taker.kill()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cpus", type=float, required=True,
-                        help="cores' worth of CPU time for the command and its children (e.g. 0.6 of 2 cores)")
+    model = parser.add_mutually_exclusive_group(required=True)
+    model.add_argument("--cpus", type=float,
+                       help="cores' worth of CPU time for the command and its children (e.g. 0.6 of 2 cores)")
+    model.add_argument("--core-share", type=float,
+                       help="the share of every core that normal processes get (e.g. 0.4: cores at 0.4x speed)")
     parser.add_argument("--period-ms", type=float, default=20.0,
-                        help="the quota's period: the longest a process waits when the quota is spent")
+                        help="the quota's period (or the share's): the longest a process waits when it is spent")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command")
     args = parser.parse_args()
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser.error("give the command to run after --")
+    if args.core_share is not None:
+        if not 0 < args.core_share <= 1:
+            parser.error(f"--core-share must be above 0 and at most 1, not {args.core_share}")
+        print(f"slow_machine: every core at {args.core_share:g} of its speed (period {args.period_ms:g} ms)",
+              flush=True)
+        return run_on_slower_cores(command, args.core_share, args.period_ms / 1000)
     cores = os.cpu_count() or 1
     if not 0 < args.cpus <= cores:
         parser.error(f"--cpus must be above 0 and at most this machine's {cores} cores, not {args.cpus}")

@@ -209,6 +209,7 @@ def _producer(args: argparse.Namespace) -> int:
     from rollstream.producer.main import run_producer
 
     cfg = _load(args)
+    os.nice(cfg.env_worker_nice)  # inherited by the engine processes it starts
     run_producer(cfg, args.worker_rank, _require_url(cfg), episodes_per_group=args.episodes_per_group)
     return 0
 
@@ -217,6 +218,7 @@ def _engine(args: argparse.Namespace) -> int:
     from rollstream.producer.engine import run_engine
 
     cfg = _load(args)
+    os.nice(cfg.env_worker_nice)
     run_engine(cfg, args.engine_rank, _require_url(cfg))
     return 0
 

@@ -403,6 +403,10 @@ class RollstreamConfig:
     """r: generation may run r policy versions ahead of training; 0 is synchronous."""
     group_timeout_s: Annotated[float, Field(gt=0.0)] = 600.0
     """An admitted group whose members have not all arrived after this long is dropped."""
+    env_worker_nice: Annotated[int, Field(ge=0, le=19)] = 0
+    """Niceness of env-worker and engine-server processes (and the vLLM engine processes they start): on a host
+    they share with the trainer, a positive value lets the trainer's update take its core first, while generation,
+    which runs ahead, takes what the update leaves."""
 
     pretrain: str | None = None
     """A local Hugging Face model directory (no hub download); needed by every strategy except scripted/stats_only."""

@@ -1,4 +1,5 @@
-"""`rollstream run` restarts a crashed env-worker a bounded number of times, then stops with its log named."""
+"""`rollstream run` restarts a crashed env-worker a bounded number of times, then stops with its log named; its
+env-workers run at `env_worker_nice`, the trainer at the launcher's own priority."""
 
 from __future__ import annotations
 
@@ -79,3 +80,23 @@ def test_an_env_worker_that_keeps_crashing_stops_the_run_with_its_log_named(tmp_
     log = out / "logs" / "producer-0.log"
     assert f"env-worker 0 exited with code 1 after {MAX_WORKER_RESTARTS} restarts: see {log}" in stderr
     assert log.read_text().count("this env cannot start") >= MAX_WORKER_RESTARTS + 1
+
+
+def test_env_workers_run_at_the_configured_niceness_and_the_trainer_does_not(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    run = _run(out, "max_steps=3", "env_worker_nice=7", "actor_infer.strategy_args.strategy_config.delay_s=0.02")
+    try:
+        deadline = time.monotonic() + 60
+        log = out / "logs" / "producer-0.log"
+        while not log.exists() or "loaded policy version 1" not in log.read_text():
+            assert time.monotonic() < deadline and run.poll() is None, "no train step"
+            time.sleep(0.1)
+        worker = _producer(out, 0)
+        assert worker is not None and worker.nice() == 7
+        trainer = next(p for p in psutil.Process(run.pid).children() if "trainer" in p.cmdline())
+        assert trainer.nice() == os.nice(0)
+        _, stderr = run.communicate(timeout=180)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert run.returncode == 0, stderr[-3000:]

@@ -39,3 +39,13 @@ def test_a_quota_above_the_machines_cores_says_what_it_may_be() -> None:
     result = subprocess.run([sys.executable, SCRIPT, "--cpus", "1000", "--", "true"], capture_output=True, text=True)
     assert result.returncode == 2
     assert "--cpus must be above 0 and at most this machine's" in result.stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs a real-time priority (root)")
+def test_slower_cores_give_a_command_its_share_of_a_core_and_stop_after_it() -> None:
+    result = subprocess.run([sys.executable, SCRIPT, "--core-share", "0.25", "--period-ms", "10", "--",
+                             sys.executable, "-c", SPIN], capture_output=True, text=True, check=True, timeout=60)
+    cpu_seconds = float(result.stdout.splitlines()[1])
+    assert 0.1 < cpu_seconds < 0.45  # unslowed it would get ~1.0 s of its one core
+    takers = subprocess.run(["pgrep", "-f", "slow_machine.py --core-share 0.25"], capture_output=True, text=True)
+    assert takers.stdout == ""
