@@ -1,4 +1,4 @@
-"""A slower machine than this one: a command, and every process it starts, under a CPU quota.
+"""A slower machine than this one: a command, and every process it starts, under a CPU quota or on slowed cores.
 
     .venv/bin/python benchmarks/slow_machine.py --cpus 0.6 -- .venv/bin/python benchmarks/learning_runs.py ...
 

@@ -1,4 +1,5 @@
-"""The slow-machine model for learning runs: a real cgroup CPU quota over a command and its children."""
+"""The slow-machine models for learning runs: a real cgroup CPU quota over a command and its children, and
+real-time processes that slow every core."""
 
 import os
 import subprocess
