@@ -49,15 +49,20 @@ def _producer(out: Path, rank: int) -> psutil.Process | None:
     return None
 
 
+def _wait_for_first_step(run: subprocess.Popen[str], out: Path) -> None:
+    """Until env-worker 0 has loaded the first trained version (the run is well under way)."""
+    deadline = time.monotonic() + 60
+    log = out / "logs" / "producer-0.log"
+    while not log.exists() or "loaded policy version 1" not in log.read_text():
+        assert time.monotonic() < deadline and run.poll() is None, "no train step"
+        time.sleep(0.1)
+
+
 def test_an_env_worker_killed_under_run_is_restarted_and_the_run_finishes(tmp_path: Path) -> None:
     out = tmp_path / "out"
     run = _run(out, "max_steps=10", "actor_infer.strategy_args.strategy_config.delay_s=0.02")
     try:
-        deadline = time.monotonic() + 60
-        log = out / "logs" / "producer-0.log"
-        while not log.exists() or "loaded policy version 1" not in log.read_text():
-            assert time.monotonic() < deadline and run.poll() is None, "no train step"
-            time.sleep(0.1)
+        _wait_for_first_step(run, out)
         victim = _producer(out, 0)
         assert victim is not None
         victim.send_signal(signal.SIGKILL)
@@ -86,11 +91,7 @@ def test_env_workers_run_at_the_configured_niceness_and_the_trainer_does_not(tmp
     out = tmp_path / "out"
     run = _run(out, "max_steps=3", "env_worker_nice=7", "actor_infer.strategy_args.strategy_config.delay_s=0.02")
     try:
-        deadline = time.monotonic() + 60
-        log = out / "logs" / "producer-0.log"
-        while not log.exists() or "loaded policy version 1" not in log.read_text():
-            assert time.monotonic() < deadline and run.poll() is None, "no train step"
-            time.sleep(0.1)
+        _wait_for_first_step(run, out)
         worker = _producer(out, 0)
         assert worker is not None and worker.nice() == 7
         trainer = next(p for p in psutil.Process(run.pid).children() if "trainer" in p.cmdline())
