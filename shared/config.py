@@ -453,6 +453,12 @@ class RollstreamConfig:
     `no_advantage` keeps a group with such a move. Replies in the built-in format only (not with an env's
     action_pattern). At full strength from the first step it taught a warm start that wins almost no map to walk
     into walls instead, hence the scaling (docs/learning.md). 0: off (the default; the main job sets 1.0)."""
+    no_effect_unlikelihood_coef: Annotated[float, Field(ge=0.0)] = 0.0
+    """Unlikelihood on moves that change nothing: on every step, -log(1 - p) of the token at which each valid move
+    after which the env showed the same state (a walk into a wall) chose its action, times this and the batch's
+    success rate, per response token as the policy loss, in the groups `no_advantage` keeps. Greedy decoding
+    repeats such a move until the episode's moves run out (docs/learning.md, machine 36). Replies in the built-in
+    format only. 0: off (the default)."""
     fatal_move_groups: FatalMoveGroups = "all"
     """Which groups `no_advantage` keeps for the fatal-move term alone (all members scored alike, one lost by its
     last move): `all`, or `at_success_rate`, that share of them given by the success of the last 256 episodes the

@@ -69,6 +69,7 @@ from rollstream.consumer.learn.loss import (
     token_logprobs,
     truncated_importance_weights,
 )
+from rollstream.consumer.learn.no_effect_moves import no_effect_move_positions
 from rollstream.consumer.learn.strategy import TrainStrategy, causal_lm_logits, minibatch_size
 from rollstream.consumer.learn.tensors import Shard, TokenBatch, build_token_batch, plan_shards
 from rollstream.shared import atomic
@@ -121,6 +122,8 @@ class UpdateSettings:
     """Coefficient of -log(1 - p) on each unparsed reply's format-breaking token (`format_unlikelihood`)."""
     fatal_move_unlikelihood_coef: float = 0.0
     """Coefficient of -log(1 - p) on the action token of each episode's fatal move (`fatal_moves`)."""
+    no_effect_unlikelihood_coef: float = 0.0
+    """Coefficient of -log(1 - p) on the action token of each move that changed nothing (`no_effect_moves`)."""
 
     @property
     def has_kl_term(self) -> bool:
@@ -167,7 +170,7 @@ class UpdateSettings:
                    cfg.ppo_epochs, minibatch_size(cfg), args.per_device_train_batch_size,
                    args.max_tokens_per_microbatch, cfg.actor_train.infer_batch_size, high, cfg.skip_zero_advantage,
                    cfg.early_stop_kl, banned, unparsed_reply_kl_coef(cfg), cfg.format_unlikelihood_coef,
-                   cfg.fatal_move_unlikelihood_coef)
+                   cfg.fatal_move_unlikelihood_coef, cfg.no_effect_unlikelihood_coef)
 
 
 class PolicyLearner:
@@ -184,10 +187,10 @@ class PolicyLearner:
         """Shuffles mini-batches; its state is part of a checkpoint."""
         self.reference = load_reference(cfg, strategy.device) if needs_reference(cfg) else None
         self.entropy_control = EntropyControl.from_config(cfg)
-        self.reply_formats = (reply_formats(cfg.custom_envs)
-                              if cfg.format_unlikelihood_coef > 0 or cfg.fatal_move_unlikelihood_coef > 0 else {})
+        blames = (cfg.format_unlikelihood_coef, cfg.fatal_move_unlikelihood_coef, cfg.no_effect_unlikelihood_coef)
+        self.reply_formats = reply_formats(cfg.custom_envs) if any(c > 0 for c in blames) else {}
         """Action names by env tag (the tags whose replies use the built-in format), for finding where an unparsed
-        reply broke the format and where a fatal move chose its action."""
+        reply broke the format and where a fatal move or one that changed nothing chose its action."""
         self._pieces: dict[int, str | None] = {}
         self.steps_done = 0
 
@@ -201,19 +204,24 @@ class PolicyLearner:
                    for t in trajs] if self.settings.format_unlikelihood_coef > 0 else None)
         fatal = ([fatal_move_positions(t, self.piece) if t.tag in self.reply_formats else [] for t in trajs]
                  if self.settings.fatal_move_unlikelihood_coef > 0 else None)
+        no_effect = ([no_effect_move_positions(t, self.piece) if t.tag in self.reply_formats else [] for t in trajs]
+                     if self.settings.no_effect_unlikelihood_coef > 0 else None)
         tokens = build_token_batch(trajs, advantages, whiten=self.cfg.whiten_advantages, clip=self.cfg.adv_clip,
-                                   breaks=breaks, fatal=fatal)
+                                   breaks=breaks, fatal=fatal, no_effect=no_effect)
         check_trainable(tokens, batch.step)
         metrics = advantage_stats(tokens)
         metrics["actor/zero_adv_rows"] = float(tokens.num_rows - int(rows_with_gradient(tokens).sum()))
         metrics["time/advantages_s"] = time.monotonic() - start
         settings = replace(self.settings, entropy_coef=self.entropy_control.bonus,
                            kl_coef=step_kl_coef(self.cfg, valid_action_rate(trajs)),
-                           fatal_move_unlikelihood_coef=step_fatal_coef(self.cfg.fatal_move_unlikelihood_coef, trajs))
+                           fatal_move_unlikelihood_coef=step_fatal_coef(self.cfg.fatal_move_unlikelihood_coef, trajs),
+                           no_effect_unlikelihood_coef=step_fatal_coef(self.cfg.no_effect_unlikelihood_coef, trajs))
         metrics |= self.update(tokens, settings)
         metrics["actor/entropy_coef"] = settings.entropy_coef
         if fatal is not None:
             metrics["actor/fatal_move_coef"] = settings.fatal_move_unlikelihood_coef
+        if no_effect is not None:
+            metrics["actor/no_effect_coef"] = settings.no_effect_unlikelihood_coef
         metrics["actor/kl_coef"] = settings.kl_coef
         self.entropy_control.observe(metrics["loss/entropy"])
         self.steps_done += 1
@@ -276,14 +284,15 @@ def check_trainable(tokens: TokenBatch, step: int) -> None:
 
 
 def rows_with_gradient(tokens: TokenBatch, trains_unparsed: bool = False) -> torch.Tensor:
-    """Which rows have a non-zero advantage on some response token, or a fatal move the loss blames (with
+    """Which rows have a non-zero advantage on some response token, or a move the loss blames (with
     `trains_unparsed`: or a reply that did not parse), as a (B,) bool tensor.
 
     The policy-gradient term of every other row is exactly zero (a group whose members all scored the same), so
     without a KL penalty or an entropy bonus its forward and backward passes add nothing to the gradient."""
     rows = ((tokens.advantages != 0) & (tokens.response_mask > 0)).any(dim=1)
-    if tokens.fatal_mask is not None:  # built only when the fatal-move term is on
-        rows = rows | (tokens.fatal_mask > 0).any(dim=1)
+    for blamed in (tokens.fatal_mask, tokens.no_effect_mask):  # built only when their terms are on
+        if blamed is not None:
+            rows = rows | (blamed > 0).any(dim=1)
     return rows | unparsed_rows(tokens) if trains_unparsed else rows
 
 
@@ -409,6 +418,11 @@ def microbatch_loss(forward: Forward, part: TokenBatch, settings: UpdateSettings
         loss = loss + settings.fatal_move_unlikelihood_coef * away / normalizer
         sums["fatal_unlikelihood"] = away.detach()
         sums["fatal_moves"] = part.fatal_mask.sum()
+    if settings.no_effect_unlikelihood_coef > 0 and part.no_effect_mask is not None:
+        away = unlikelihood(logprobs, part.no_effect_mask)
+        loss = loss + settings.no_effect_unlikelihood_coef * away / normalizer
+        sums["no_effect_unlikelihood"] = away.detach()
+        sums["no_effect_moves"] = part.no_effect_mask.sum()
     # The entropy keeps its graph only when it is part of the loss.
     with torch.set_grad_enabled(settings.has_entropy_term and torch.is_grad_enabled()):
         entropy = token_entropy(logits).sum()  # the logits are the response positions' only
@@ -443,7 +457,7 @@ def unparsed_drift(logits: torch.Tensor, part: TokenBatch, reference: Forward) -
 
 TALLY_KEYS = frozenset({"pg", "clip", "truncated", "ratio", "approx_kl", "is_weight", "kl", "unparsed_kl", "entropy",
                         "banned_mass", "unlikelihood", "format_breaks", "fatal_unlikelihood", "fatal_moves",
-                        "tokens"})
+                        "no_effect_unlikelihood", "no_effect_moves", "tokens"})
 """Every sum a Tally may hold; ranks reduce them in this (sorted) order, whichever they saw."""
 
 
@@ -522,6 +536,9 @@ class Tally:
         if "fatal_unlikelihood" in self.sums:
             out["loss/fatal_unlikelihood"] = self.sums["fatal_unlikelihood"] / n
             out["actor/fatal_moves"] = self.sums["fatal_moves"]
+        if "no_effect_unlikelihood" in self.sums:
+            out["loss/no_effect_unlikelihood"] = self.sums["no_effect_unlikelihood"] / n
+            out["actor/no_effect_moves"] = self.sums["no_effect_moves"]
         return out
 
 

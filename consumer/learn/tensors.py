@@ -43,6 +43,9 @@ class TokenBatch:
     fatal_mask: torch.Tensor | None = None
     """(B, T - 1) float32, 1 on the token at which an episode's fatal move chose its action (`fatal_moves`); None
     when the batch was built without them."""
+    no_effect_mask: torch.Tensor | None = None
+    """(B, T - 1) float32, 1 on the token at which a move that changed nothing chose its action (`no_effect_moves`);
+    None when the batch was built without them."""
 
     @property
     def num_rows(self) -> int:
@@ -98,13 +101,14 @@ def build_token_batch(
     pad_id: int = 0,
     breaks: Sequence[Sequence[int]] | None = None,
     fatal: Sequence[Sequence[int]] | None = None,
+    no_effect: Sequence[Sequence[int]] | None = None,
 ) -> TokenBatch:
     """Pad the trajectories into one TokenBatch with per-token advantages (whitened/clipped over response tokens);
     `breaks`: each trajectory's format-breaking token indices, for `break_mask`; `fatal`: its fatal move's action
-    token index, for `fatal_mask`."""
+    token index, for `fatal_mask`; `no_effect`: its moves' that changed nothing, for `no_effect_mask`."""
     if len(trajs) != len(advantages):
         raise ValueError(f"{len(advantages)} advantages for {len(trajs)} trajectories")
-    for name, marks in (("format breaks", breaks), ("fatal moves", fatal)):
+    for name, marks in (("format breaks", breaks), ("fatal moves", fatal), ("no-effect moves", no_effect)):
         if marks is not None and len(marks) != len(trajs):
             raise ValueError(f"{name} for {len(marks)} trajectories, {len(trajs)} trajectories")
     for t in trajs:
@@ -121,6 +125,7 @@ def build_token_batch(
     unparsed = np.zeros((rows, width), np.float32)
     broke = np.zeros((rows, width), np.float32)
     lost = np.zeros((rows, width), np.float32)
+    stuck = np.zeros((rows, width), np.float32)
     for i, (traj, adv) in enumerate(zip(trajs, advantages)):
         n = traj.num_tokens
         input_ids[i, :n] = torch.from_numpy(traj.input_ids.astype(np.int64))
@@ -134,9 +139,10 @@ def build_token_batch(
                 unparsed[i, start:end] = traj.response_mask[start:end]
         broke[i, list(breaks[i]) if breaks is not None else []] = 1.0
         lost[i, list(fatal[i]) if fatal is not None else []] = 1.0
+        stuck[i, list(no_effect[i]) if no_effect is not None else []] = 1.0
     # Shift to targets: the first token of a trajectory has no logits predicting it.
     response, behaviour, token_adv = response[:, 1:], behaviour[:, 1:], token_adv[:, 1:]
-    unparsed, broke, lost = unparsed[:, 1:], broke[:, 1:], lost[:, 1:]
+    unparsed, broke, lost, stuck = unparsed[:, 1:], broke[:, 1:], lost[:, 1:], stuck[:, 1:]
     on = response > 0
     token_adv[on] = finalize(token_adv[on], whiten_values=whiten, clip=clip)
     token_adv[~on] = 0.0
@@ -149,6 +155,7 @@ def build_token_batch(
         unparsed_mask=torch.from_numpy(unparsed),
         break_mask=torch.from_numpy(broke) if breaks is not None else None,
         fatal_mask=torch.from_numpy(lost) if fatal is not None else None,
+        no_effect_mask=torch.from_numpy(stuck) if no_effect is not None else None,
     )
 
 
