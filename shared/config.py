@@ -458,7 +458,7 @@ class RollstreamConfig:
     after which the env showed the same state (a walk into a wall) chose its action, times this and the batch's
     success rate, per response token as the policy loss, in the groups `no_advantage` keeps. Greedy decoding
     repeats such a move until the episode's moves run out (docs/learning.md, machine 36). Replies in the built-in
-    format only. 0: off (the default)."""
+    format only. 0: off (the default; the main job sets 1.0)."""
     fatal_move_groups: FatalMoveGroups = "all"
     """Which groups `no_advantage` keeps for the fatal-move term alone (all members scored alike, one lost by its
     last move): `all`, or `at_success_rate`, that share of them given by the success of the last 256 episodes the

@@ -215,6 +215,7 @@ class PolicyLearner:
         settings = replace(self.settings, entropy_coef=self.entropy_control.bonus,
                            kl_coef=step_kl_coef(self.cfg, valid_action_rate(trajs)),
                            fatal_move_unlikelihood_coef=step_fatal_coef(self.cfg.fatal_move_unlikelihood_coef, trajs),
+                           # scaled by the batch's success as the fatal move's is (no_effect_moves)
                            no_effect_unlikelihood_coef=step_fatal_coef(self.cfg.no_effect_unlikelihood_coef, trajs))
         metrics |= self.update(tokens, settings)
         metrics["actor/entropy_coef"] = settings.entropy_coef

@@ -1,5 +1,6 @@
 """no_effect_unlikelihood_coef: a valid move after which the env showed the same state is found at the token that
-chose its action, and the loss moves that token however sure the policy is, scaled by the batch's success."""
+chose its action, and the loss lowers that token's probability in a group the policy gradient leaves alone, scaled
+by the batch's success."""
 
 from __future__ import annotations
 
