@@ -8,7 +8,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from rollstream.shared.envs.text import opens_think
-from rollstream.shared.schema import Trajectory
+from rollstream.shared.schema import Trajectory, Turn
 
 
 def rollout_stats(trajs: Sequence[Trajectory], step: int, max_staleness: int = 0) -> dict[str, float]:
@@ -70,8 +70,19 @@ def valid_action_rate(trajs: Iterable[Trajectory]) -> float:
     return float(np.mean(turns)) if turns else 0.0
 
 
+def judged_moves(traj: Trajectory) -> list[tuple[Turn, Turn]]:
+    """Each valid move with the turn after it, whose state says what the move did. An episode's last move is left
+    out: its outcome is not in the trajectory."""
+    return [(a, b) for a, b in zip(traj.turns, traj.turns[1:]) if a.action_is_valid]
+
+
+def no_effect_moves(traj: Trajectory) -> list[Turn]:
+    """The valid moves after which the policy saw the same state again (a walk into a wall)."""
+    return [a for a, b in judged_moves(traj) if a.observation == b.observation]
+
+
 def no_effect_rate(trajs: Iterable[Trajectory]) -> float:
-    """The share of valid moves after which the policy saw the same state again (a walk into a wall). An
-    episode's last move is not counted: its outcome is not in the trajectory."""
-    moves = [(a, b) for t in trajs for a, b in zip(t.turns, t.turns[1:]) if a.action_is_valid]
-    return sum(a.observation == b.observation for a, b in moves) / max(len(moves), 1)
+    """The share of valid moves after which the policy saw the same state again (`no_effect_moves`)."""
+    trajs = list(trajs)
+    judged = sum(len(judged_moves(t)) for t in trajs)
+    return sum(len(no_effect_moves(t)) for t in trajs) / max(judged, 1)

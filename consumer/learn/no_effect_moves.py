@@ -16,19 +16,17 @@ map would otherwise be pushed off the walls and into the holes). Only the groups
 
 from __future__ import annotations
 
+from rollstream.consumer.data.batch_stats import no_effect_moves
 from rollstream.consumer.learn.format_unlikelihood import Piece, reply_tokens
 from rollstream.shared.envs.text import answer_token
 from rollstream.shared.schema import Trajectory
 
 
 def no_effect_move_positions(traj: Trajectory, piece: Piece) -> list[int]:
-    """The index in `traj.input_ids` of the token at which each valid move that changed nothing chose its action:
-    the env showed the same state after it. An episode's last move is left out, its outcome is not in the
-    trajectory (as in `batch_stats.no_effect_rate`)."""
+    """The index in `traj.input_ids` of the token at which each valid move that changed nothing chose its action
+    (`batch_stats.no_effect_moves`: the env showed the same state after it; an episode's last move is left out)."""
     positions = []
-    for turn, after in zip(traj.turns, traj.turns[1:]):
-        if not turn.action_is_valid or turn.observation != after.observation:
-            continue
+    for turn in no_effect_moves(traj):
         generated, pieces = reply_tokens(traj, turn, piece)
         at = answer_token(pieces)
         if at is not None:

@@ -76,6 +76,7 @@ from rollstream.shared import atomic
 from rollstream.shared.bad_words import bad_word_ids
 from rollstream.shared.config import OldLogprobs, RollstreamConfig, choices
 from rollstream.shared.messages import WeightsAnnouncement
+from rollstream.shared.schema import Trajectory
 
 log = logging.getLogger(__name__)
 
@@ -200,12 +201,12 @@ class PolicyLearner:
         groups = [g.trajectories for g in batch.groups]
         trajs = [t for group in groups for t in group]
         advantages = compute_advantages(groups, self.advantages)
-        breaks = ([break_positions(t, self.piece, self.reply_formats[t.tag]) if t.tag in self.reply_formats else []
-                   for t in trajs] if self.settings.format_unlikelihood_coef > 0 else None)
-        fatal = ([fatal_move_positions(t, self.piece) if t.tag in self.reply_formats else [] for t in trajs]
-                 if self.settings.fatal_move_unlikelihood_coef > 0 else None)
-        no_effect = ([no_effect_move_positions(t, self.piece) if t.tag in self.reply_formats else [] for t in trajs]
-                     if self.settings.no_effect_unlikelihood_coef > 0 else None)
+        breaks = self.blamed_tokens(trajs, self.settings.format_unlikelihood_coef,
+                                    lambda t: break_positions(t, self.piece, self.reply_formats[t.tag]))
+        fatal = self.blamed_tokens(trajs, self.settings.fatal_move_unlikelihood_coef,
+                                   lambda t: fatal_move_positions(t, self.piece))
+        no_effect = self.blamed_tokens(trajs, self.settings.no_effect_unlikelihood_coef,
+                                       lambda t: no_effect_move_positions(t, self.piece))
         tokens = build_token_batch(trajs, advantages, whiten=self.cfg.whiten_advantages, clip=self.cfg.adv_clip,
                                    breaks=breaks, fatal=fatal, no_effect=no_effect)
         check_trainable(tokens, batch.step)
@@ -227,6 +228,14 @@ class PolicyLearner:
         self.entropy_control.observe(metrics["loss/entropy"])
         self.steps_done += 1
         return metrics
+
+    def blamed_tokens(self, trajs: list[Trajectory], coef: float,
+                      find: Callable[[Trajectory], list[int]]) -> list[list[int]] | None:
+        """Each trajectory's token indices that an unlikelihood term with `coef` blames (`find`; none for a tag
+        whose replies are not in the built-in format); None when the term is off."""
+        if coef <= 0:
+            return None
+        return [find(t) if t.tag in self.reply_formats else [] for t in trajs]
 
     def piece(self, token_id: int) -> str | None:
         """A token's text; None for a special token (end-of-sequence ends a reply)."""
