@@ -40,8 +40,9 @@ def any_fatal_move(group: Sequence[Trajectory]) -> bool:
     return any(map(ended_by_its_last_move, group))
 
 
-def step_fatal_coef(coef: float, trajs: Sequence[Trajectory]) -> float:
-    """This step's coefficient: `coef` x the success rate of the batch's episodes (0 for an empty batch)."""
+def success_scaled_coef(coef: float, trajs: Sequence[Trajectory]) -> float:
+    """This step's coefficient of a term that blames moves (the fatal move's, `no_effect_moves`'): `coef` x the success
+    rate of the batch's episodes (0 for an empty batch)."""
     return coef * sum(t.success for t in trajs) / len(trajs) if trajs and coef > 0 else 0.0
 
 

@@ -50,7 +50,7 @@ from rollstream.consumer.data.batcher import Batch
 from rollstream.consumer.learn.advantages import AdvantageSettings, compute_advantages
 from rollstream.consumer.learn.checkpoints import LearnerState, load_learner_state, save_checkpoint, strategy_dir
 from rollstream.consumer.learn.entropy_control import EntropyControl
-from rollstream.consumer.learn.fatal_moves import fatal_move_positions, step_fatal_coef
+from rollstream.consumer.learn.fatal_moves import fatal_move_positions, success_scaled_coef
 from rollstream.consumer.learn.format_unlikelihood import break_positions, reply_formats, unlikelihood
 from rollstream.consumer.learn.kl_anchor import needs_reference, step_kl_coef, unparsed_reply_kl_coef
 from rollstream.consumer.learn.loss import (
@@ -213,11 +213,12 @@ class PolicyLearner:
         metrics = advantage_stats(tokens)
         metrics["actor/zero_adv_rows"] = float(tokens.num_rows - int(rows_with_gradient(tokens).sum()))
         metrics["time/advantages_s"] = time.monotonic() - start
+        # The terms that blame moves wait for the goal to be found (fatal_moves, no_effect_moves).
         settings = replace(self.settings, entropy_coef=self.entropy_control.bonus,
                            kl_coef=step_kl_coef(self.cfg, valid_action_rate(trajs)),
-                           fatal_move_unlikelihood_coef=step_fatal_coef(self.cfg.fatal_move_unlikelihood_coef, trajs),
-                           # scaled by the batch's success as the fatal move's is (no_effect_moves)
-                           no_effect_unlikelihood_coef=step_fatal_coef(self.cfg.no_effect_unlikelihood_coef, trajs))
+                           fatal_move_unlikelihood_coef=success_scaled_coef(self.cfg.fatal_move_unlikelihood_coef,
+                                                                            trajs),
+                           no_effect_unlikelihood_coef=success_scaled_coef(self.cfg.no_effect_unlikelihood_coef, trajs))
         metrics |= self.update(tokens, settings)
         metrics["actor/entropy_coef"] = settings.entropy_coef
         if fatal is not None:
@@ -418,21 +419,17 @@ def microbatch_loss(forward: Forward, part: TokenBatch, settings: UpdateSettings
         if drift is not None:
             loss = loss + settings.unparsed_kl_coef * drift / normalizer
             sums["unparsed_kl"] = drift.detach()
-    if settings.format_unlikelihood_coef > 0 and part.break_mask is not None:
-        away = unlikelihood(logprobs, part.break_mask)
-        loss = loss + settings.format_unlikelihood_coef * away / normalizer
-        sums["unlikelihood"] = away.detach()
-        sums["format_breaks"] = part.break_mask.sum()
-    if settings.fatal_move_unlikelihood_coef > 0 and part.fatal_mask is not None:
-        away = unlikelihood(logprobs, part.fatal_mask)
-        loss = loss + settings.fatal_move_unlikelihood_coef * away / normalizer
-        sums["fatal_unlikelihood"] = away.detach()
-        sums["fatal_moves"] = part.fatal_mask.sum()
-    if settings.no_effect_unlikelihood_coef > 0 and part.no_effect_mask is not None:
-        away = unlikelihood(logprobs, part.no_effect_mask)
-        loss = loss + settings.no_effect_unlikelihood_coef * away / normalizer
-        sums["no_effect_unlikelihood"] = away.detach()
-        sums["no_effect_moves"] = part.no_effect_mask.sum()
+    # Unlikelihood on the tokens each term blames (format_unlikelihood, fatal_moves, no_effect_moves).
+    blamed_terms = ((settings.format_unlikelihood_coef, part.break_mask, "unlikelihood", "format_breaks"),
+                    (settings.fatal_move_unlikelihood_coef, part.fatal_mask, "fatal_unlikelihood", "fatal_moves"),
+                    (settings.no_effect_unlikelihood_coef, part.no_effect_mask, "no_effect_unlikelihood",
+                     "no_effect_moves"))
+    for coef, blamed, term, count in blamed_terms:
+        if coef > 0 and blamed is not None:
+            away = unlikelihood(logprobs, blamed)
+            loss = loss + coef * away / normalizer
+            sums[term] = away.detach()
+            sums[count] = blamed.sum()
     # The entropy keeps its graph only when it is part of the loss.
     with torch.set_grad_enabled(settings.has_entropy_term and torch.is_grad_enabled()):
         entropy = token_entropy(logits).sum()  # the logits are the response positions' only

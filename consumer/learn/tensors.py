@@ -123,9 +123,6 @@ def build_token_batch(
     behaviour = np.zeros((rows, width), np.float32)
     token_adv = np.zeros((rows, width), np.float64)
     unparsed = np.zeros((rows, width), np.float32)
-    broke = np.zeros((rows, width), np.float32)
-    lost = np.zeros((rows, width), np.float32)
-    stuck = np.zeros((rows, width), np.float32)
     for i, (traj, adv) in enumerate(zip(trajs, advantages)):
         n = traj.num_tokens
         input_ids[i, :n] = torch.from_numpy(traj.input_ids.astype(np.int64))
@@ -137,12 +134,9 @@ def build_token_batch(
             if not turn.action_is_valid:
                 start, end = turn.response_span
                 unparsed[i, start:end] = traj.response_mask[start:end]
-        broke[i, list(breaks[i]) if breaks is not None else []] = 1.0
-        lost[i, list(fatal[i]) if fatal is not None else []] = 1.0
-        stuck[i, list(no_effect[i]) if no_effect is not None else []] = 1.0
     # Shift to targets: the first token of a trajectory has no logits predicting it.
     response, behaviour, token_adv = response[:, 1:], behaviour[:, 1:], token_adv[:, 1:]
-    unparsed, broke, lost, stuck = unparsed[:, 1:], broke[:, 1:], lost[:, 1:], stuck[:, 1:]
+    unparsed = unparsed[:, 1:]
     on = response > 0
     token_adv[on] = finalize(token_adv[on], whiten_values=whiten, clip=clip)
     token_adv[~on] = 0.0
@@ -153,10 +147,20 @@ def build_token_batch(
         behaviour_logprobs=torch.from_numpy(behaviour * response),
         advantages=torch.from_numpy(token_adv.astype(np.float32)),
         unparsed_mask=torch.from_numpy(unparsed),
-        break_mask=torch.from_numpy(broke) if breaks is not None else None,
-        fatal_mask=torch.from_numpy(lost) if fatal is not None else None,
-        no_effect_mask=torch.from_numpy(stuck) if no_effect is not None else None,
+        break_mask=target_marks(breaks, width),
+        fatal_mask=target_marks(fatal, width),
+        no_effect_mask=target_marks(no_effect, width),
     )
+
+
+def target_marks(marks: Sequence[Sequence[int]] | None, width: int) -> torch.Tensor | None:
+    """(B, width - 1) float32, 1 where row i's target is one of the token indices `marks[i]`; None without marks."""
+    if marks is None:
+        return None
+    marked = torch.zeros((len(marks), width), dtype=torch.float32)
+    for i, at in enumerate(marks):
+        marked[i, list(at)] = 1.0
+    return marked[:, 1:]  # shifted to targets, as every other mask
 
 
 def minibatch_indices(num_rows: int, minibatch_size: int, generator: torch.Generator) -> list[torch.Tensor]:

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoTokenizer
 
 from rollstream.consumer.data.group_filters import NoAdvantageFilter
-from rollstream.consumer.learn.fatal_moves import fatal_move_positions, step_fatal_coef
+from rollstream.consumer.learn.fatal_moves import fatal_move_positions, success_scaled_coef
 from rollstream.consumer.learn.learner import make_learner
 from rollstream.consumer.learn.policy_learner import PolicyLearner
 from rollstream.consumer.learn.tensors import build_token_batch
@@ -96,9 +96,9 @@ def test_the_term_scales_with_the_batchs_success(tiny_model: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     lost = [lost_trajectory(tokenizer, m) for m in range(4)]
     won = [lost_trajectory(tokenizer, m, success=True) for m in range(4)]
-    assert step_fatal_coef(1.0, lost) == 0.0
-    assert step_fatal_coef(1.0, lost + won) == 0.5
-    assert step_fatal_coef(0.0, won) == 0.0 and step_fatal_coef(1.0, []) == 0.0
+    assert success_scaled_coef(1.0, lost) == 0.0
+    assert success_scaled_coef(1.0, lost + won) == 0.5
+    assert success_scaled_coef(0.0, won) == 0.0 and success_scaled_coef(1.0, []) == 0.0
 
 
 def test_a_group_that_lost_alike_is_trained_and_the_fatal_move_falls(tmp_path: Path, tiny_model: Path) -> None:
