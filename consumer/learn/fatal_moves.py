@@ -41,8 +41,8 @@ def any_fatal_move(group: Sequence[Trajectory]) -> bool:
 
 
 def success_scaled_coef(coef: float, trajs: Sequence[Trajectory]) -> float:
-    """This step's coefficient of a term that blames moves (the fatal move's, `no_effect_moves`'): `coef` x the success
-    rate of the batch's episodes (0 for an empty batch)."""
+    """This step's coefficient of a term that blames moves (this module's and `no_effect_moves`'): `coef` x the
+    success rate of the batch's episodes (0 for an empty batch)."""
     return coef * sum(t.success for t in trajs) / len(trajs) if trajs and coef > 0 else 0.0
 
 
