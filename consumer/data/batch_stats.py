@@ -76,13 +76,17 @@ def judged_moves(traj: Trajectory) -> list[tuple[Turn, Turn]]:
     return [(a, b) for a, b in zip(traj.turns, traj.turns[1:]) if a.action_is_valid]
 
 
+def changed_nothing(move: Turn, after: Turn) -> bool:
+    """The policy saw the same state again after `move` (a walk into a wall)."""
+    return move.observation == after.observation
+
+
 def no_effect_moves(traj: Trajectory) -> list[Turn]:
-    """The valid moves after which the policy saw the same state again (a walk into a wall)."""
-    return [a for a, b in judged_moves(traj) if a.observation == b.observation]
+    """The valid moves that changed nothing."""
+    return [a for a, b in judged_moves(traj) if changed_nothing(a, b)]
 
 
 def no_effect_rate(trajs: Iterable[Trajectory]) -> float:
-    """The share of valid moves after which the policy saw the same state again (`no_effect_moves`)."""
-    trajs = list(trajs)
-    judged = sum(len(judged_moves(t)) for t in trajs)
-    return sum(len(no_effect_moves(t)) for t in trajs) / max(judged, 1)
+    """The share of valid moves that changed nothing (`no_effect_moves`)."""
+    judged = [pair for t in trajs for pair in judged_moves(t)]
+    return sum(changed_nothing(*pair) for pair in judged) / max(len(judged), 1)
