@@ -459,6 +459,10 @@ class RollstreamConfig:
     success rate, per response token as the policy loss, in the groups `no_advantage` keeps. Greedy decoding
     repeats such a move until the episode's moves run out (docs/learning.md, machine 36). Replies in the built-in
     format only. 0: off (the default; the main job sets 1.0)."""
+    move_unlikelihood_among_moves: bool = False
+    """The two terms above take for p the blamed move's share of the mass of the tokens that begin a move, not its
+    probability over the vocabulary: the mass they take goes to the other moves only, not to tokens that break
+    the reply format (`consumer/learn/move_share.py`)."""
     fatal_move_groups: FatalMoveGroups = "all"
     """Which groups `no_advantage` keeps for the fatal-move term alone (all members scored alike, one lost by its
     last move): `all`, or `at_success_rate`, that share of them given by the success of the last 256 episodes the

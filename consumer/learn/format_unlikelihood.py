@@ -16,6 +16,7 @@ well-formed reply can begin with what was written.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -26,6 +27,19 @@ from rollstream.shared.schema import Trajectory, Turn
 
 Piece = Callable[[int], "str | None"]
 """A token id's text; None for a token that ends a reply (end-of-sequence and the other special tokens)."""
+
+
+def tokenizer_piece(tokenizer: Any) -> Piece:
+    """`tokenizer`'s `Piece`, each token decoded once."""
+    special = set(tokenizer.all_special_ids)
+    pieces: dict[int, str | None] = {}
+
+    def piece(token_id: int) -> str | None:
+        if token_id not in pieces:
+            pieces[token_id] = None if token_id in special else str(tokenizer.decode([token_id]))
+        return pieces[token_id]
+
+    return piece
 
 
 def reply_formats(custom_envs: Mapping[str, CustomEnvConfig]) -> dict[str, tuple[str, ...]]:

@@ -51,7 +51,13 @@ from rollstream.consumer.learn.advantages import AdvantageSettings, compute_adva
 from rollstream.consumer.learn.checkpoints import LearnerState, load_learner_state, save_checkpoint, strategy_dir
 from rollstream.consumer.learn.entropy_control import EntropyControl
 from rollstream.consumer.learn.fatal_moves import fatal_move_positions, success_scaled_coef
-from rollstream.consumer.learn.format_unlikelihood import break_positions, reply_formats, unlikelihood
+from rollstream.consumer.learn.format_unlikelihood import (
+    Piece,
+    break_positions,
+    reply_formats,
+    tokenizer_piece,
+    unlikelihood,
+)
 from rollstream.consumer.learn.kl_anchor import needs_reference, step_kl_coef, unparsed_reply_kl_coef
 from rollstream.consumer.learn.loss import (
     approx_kl,
@@ -69,6 +75,7 @@ from rollstream.consumer.learn.loss import (
     token_logprobs,
     truncated_importance_weights,
 )
+from rollstream.consumer.learn.move_share import MoveTokens, move_names, move_unlikelihood, takes_move_share
 from rollstream.consumer.learn.no_effect_moves import no_effect_move_positions
 from rollstream.consumer.learn.strategy import TrainStrategy, causal_lm_logits, minibatch_size
 from rollstream.consumer.learn.tensors import Shard, TokenBatch, build_token_batch, plan_shards
@@ -125,6 +132,9 @@ class UpdateSettings:
     """Coefficient of -log(1 - p) on the action token of each episode's fatal move (`fatal_moves`)."""
     no_effect_unlikelihood_coef: float = 0.0
     """Coefficient of -log(1 - p) on the action token of each move that changed nothing (`no_effect_moves`)."""
+    move_tokens: MoveTokens | None = None
+    """The tokens that begin a move, when the two terms above take the blamed move's share of the moves' mass for
+    p (`move_unlikelihood_among_moves`, `move_share`); None: p over the vocabulary."""
 
     @property
     def has_kl_term(self) -> bool:
@@ -158,20 +168,23 @@ class UpdateSettings:
 
     @classmethod
     def from_config(cls, cfg: RollstreamConfig, tokenizer: Any = None) -> UpdateSettings:
-        """The config's settings; `tokenizer` (the trained model's) turns `bad_words` into token ids, and a config
-        that bans words needs it."""
+        """The config's settings; `tokenizer` (the trained model's) turns `bad_words` into token ids and finds the
+        tokens that begin a move, and a config that bans words or takes a move's share among moves needs it."""
         args = cfg.actor_train.training_args
         low, high = cfg.pg_clip_range
         words = tuple(cfg.actor_infer.generating_args.bad_words)
-        if words and tokenizer is None:
-            raise ValueError("UpdateSettings.from_config: this config bans words (bad_words); pass the model's "
-                             "tokenizer so that the loss can mask them")
+        names = move_names(reply_formats(cfg.custom_envs)) if takes_move_share(cfg) else ()
+        if (words or names) and tokenizer is None:
+            raise ValueError("UpdateSettings.from_config: this config bans words (bad_words) or takes a blamed "
+                             "move's share among moves (move_unlikelihood_among_moves); pass the model's tokenizer "
+                             "so that the loss can find those tokens")
         banned = tuple(tuple(ids) for ids in bad_word_ids(tokenizer, words)) if words else ()
+        moves = MoveTokens.of(tokenizer_piece(tokenizer), len(tokenizer), names) if names else None
         return cls(low, cfg.is_ratio_cap, cfg.old_logprobs, cfg.init_kl_coef, cfg.entropy_loss_coef,
                    cfg.ppo_epochs, minibatch_size(cfg), args.per_device_train_batch_size,
                    args.max_tokens_per_microbatch, cfg.actor_train.infer_batch_size, high, cfg.skip_zero_advantage,
                    cfg.early_stop_kl, banned, unparsed_reply_kl_coef(cfg), cfg.format_unlikelihood_coef,
-                   cfg.fatal_move_unlikelihood_coef, cfg.no_effect_unlikelihood_coef)
+                   cfg.fatal_move_unlikelihood_coef, cfg.no_effect_unlikelihood_coef, moves)
 
 
 class PolicyLearner:
@@ -192,7 +205,8 @@ class PolicyLearner:
         self.reply_formats = reply_formats(cfg.custom_envs) if any(c > 0 for c in blames) else {}
         """Action names by env tag (the tags whose replies use the built-in format), for finding where an unparsed
         reply broke the format and where a fatal move or one that changed nothing chose its action."""
-        self._pieces: dict[int, str | None] = {}
+        self.piece: Piece = tokenizer_piece(self.tokenizer)
+        """A token's text; None for a special token (end-of-sequence ends a reply)."""
         self.steps_done = 0
 
     def train_step(self, batch: Batch) -> dict[str, float]:
@@ -237,13 +251,6 @@ class PolicyLearner:
         if coef <= 0:
             return None
         return [find(t) if t.tag in self.reply_formats else [] for t in trajs]
-
-    def piece(self, token_id: int) -> str | None:
-        """A token's text; None for a special token (end-of-sequence ends a reply)."""
-        if token_id not in self._pieces:
-            special = token_id in self.tokenizer.all_special_ids
-            self._pieces[token_id] = None if special else str(self.tokenizer.decode([token_id]))
-        return self._pieces[token_id]
 
     def update(self, tokens: TokenBatch, settings: UpdateSettings) -> dict[str, float]:
         """The PPO update on the whole batch with this step's settings (a multi-rank leader splits it over the
@@ -419,14 +426,20 @@ def microbatch_loss(forward: Forward, part: TokenBatch, settings: UpdateSettings
         if drift is not None:
             loss = loss + settings.unparsed_kl_coef * drift / normalizer
             sums["unparsed_kl"] = drift.detach()
-    # Unlikelihood on the tokens each term blames (format_unlikelihood, fatal_moves, no_effect_moves).
-    blamed_terms = ((settings.format_unlikelihood_coef, part.break_mask, "unlikelihood", "format_breaks"),
-                    (settings.fatal_move_unlikelihood_coef, part.fatal_mask, "fatal_unlikelihood", "fatal_moves"),
+    # Unlikelihood on the tokens each term blames (format_unlikelihood; fatal_moves and no_effect_moves blame a move).
+    blamed_terms = ((settings.format_unlikelihood_coef, part.break_mask, "unlikelihood", "format_breaks", False),
+                    (settings.fatal_move_unlikelihood_coef, part.fatal_mask, "fatal_unlikelihood", "fatal_moves",
+                     True),
                     (settings.no_effect_unlikelihood_coef, part.no_effect_mask, "no_effect_unlikelihood",
-                     "no_effect_moves"))
-    for coef, blamed, term, count in blamed_terms:
+                     "no_effect_moves", True))
+    for coef, blamed, term, count, blames_a_move in blamed_terms:
         if coef > 0 and blamed is not None:
-            away = unlikelihood(logprobs, blamed)
+            if blames_a_move and settings.move_tokens is not None:
+                at = blamed[mask > 0] > 0  # the blamed rows of the response logits
+                targets = response_targets(part.input_ids, mask)[at]
+                away = move_unlikelihood(logits[at], targets, settings.move_tokens)
+            else:
+                away = unlikelihood(logprobs, blamed)
             loss = loss + coef * away / normalizer
             sums[term] = away.detach()
             sums[count] = blamed.sum()

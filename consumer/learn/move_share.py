@@ -1,0 +1,87 @@
+"""Unlikelihood on a blamed move over the moves alone (`move_unlikelihood_among_moves`).
+
+The terms that blame a move (`fatal_moves`, `no_effect_moves`) take -log(1 - p) of the token at which the reply
+chose its action, over the whole vocabulary: the mass it frees goes to every other token there in proportion, so
+the tokens that break the reply format gain with the moves. With the no-effect term on, three runs of the main job
+on machine 38 saw their sampled batches soften from step 140 on (0.89-0.92 valid replies against 0.99-1.00 at
+steps 60-100, token entropy up with no entropy bonus; docs/learning.md), while the format term barely acted.
+
+Among moves, the blamed quantity is the move's share of the mass of every token that begins a move at that
+position, q = p(move) / p(any move), and the term is -log(1 - q): its gradient reaches the logits of the tokens
+that begin a move only, down on the blamed move's, up on the others' in proportion to their share. A token
+"begins" a move when its text, leading whitespace stripped, and the move's name are one a prefix of the other
+(`R`, `Right`); a move's mass sums all its tokens, so no other spelling of the blamed move gains.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from rollstream.consumer.learn.format_unlikelihood import Piece
+from rollstream.shared.config import RollstreamConfig
+
+
+@dataclass(frozen=True)
+class MoveTokens:
+    """The vocabulary's tokens that begin exactly one move, and which."""
+
+    ids: torch.Tensor
+    """(K,) long: the token ids."""
+    moves: torch.Tensor
+    """(K,) long: the index of the move each begins (in the order of the names given to `of`)."""
+
+    @classmethod
+    def of(cls, piece: Piece, vocab_size: int, move_names: Sequence[str]) -> MoveTokens:
+        """Scan the first `vocab_size` token ids; a token that begins several moves (`Move` for `MoveUp` and
+        `MoveDown`) is left out of every one."""
+        ids, moves = [], []
+        for token_id in range(vocab_size):
+            text = (piece(token_id) or "").lstrip()
+            begun = [m for m, name in enumerate(move_names) if text and (name.startswith(text) or
+                                                                          text.startswith(name))]
+            if len(begun) == 1:
+                ids.append(token_id)
+                moves.append(begun[0])
+        if not ids:
+            raise ValueError(f"no token of the vocabulary begins any of the moves {list(move_names)}")
+        return cls(torch.tensor(ids, dtype=torch.long), torch.tensor(moves, dtype=torch.long))
+
+    def move_of(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """The move each token begins, -1 for a token that begins none (same shape as `token_ids`)."""
+        match = token_ids.unsqueeze(-1) == self.ids.to(token_ids.device)
+        found = match.any(dim=-1)
+        moves = self.moves.to(token_ids.device)[match.float().argmax(dim=-1)]
+        return torch.where(found, moves, torch.full_like(moves, -1))
+
+
+def move_unlikelihood(logits: torch.Tensor, targets: torch.Tensor, tokens: MoveTokens) -> torch.Tensor:
+    """Summed -log(1 - q) over the blamed positions, q the blamed move's share of the moves' mass (`logits` (N, V)
+    and `targets` (N,) at those positions only). A target that begins no move has no share to lower: a blamed
+    position holds the reply's action token (`text.answer_token`), so it cannot happen but with a tokenizer that
+    spells a move some other way, and then that position's term is -log(1 - p) over the vocabulary."""
+    logits = logits.float()
+    move = tokens.move_of(targets)
+    of_moves = logits[:, tokens.ids.to(logits.device)]  # (N, K)
+    # A row whose target begins no move counts every move as its own: a finite share that `where` leaves out
+    # (a logsumexp over nothing is -inf, and its gradient NaN even where it is not chosen).
+    own = (tokens.moves.to(logits.device).unsqueeze(0) == move.unsqueeze(1)) | (move < 0).unsqueeze(1)
+    log_share = (torch.logsumexp(of_moves.masked_fill(~own, float("-inf")), dim=-1)
+                 - torch.logsumexp(of_moves, dim=-1))
+    log_p = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    at = torch.where(move >= 0, log_share, log_p).clamp(max=-1e-7)
+    return -torch.log(-torch.expm1(at)).sum()
+
+
+def takes_move_share(cfg: RollstreamConfig) -> bool:
+    """A term that blames a move is on, and takes the move's share among moves."""
+    return cfg.move_unlikelihood_among_moves and (cfg.fatal_move_unlikelihood_coef > 0
+                                                  or cfg.no_effect_unlikelihood_coef > 0)
+
+
+def move_names(formats: Mapping[str, Sequence[str]]) -> tuple[str, ...]:
+    """Every move of the env tags in `formats` (`format_unlikelihood.reply_formats`), each once: with tags whose
+    moves differ, a move of one tag counts among another's (a reply that names it there does not parse)."""
+    return tuple(dict.fromkeys(name for names in formats.values() for name in names))

@@ -1,0 +1,96 @@
+"""move_unlikelihood_among_moves: the terms that blame a move lower its share among the moves, and the mass they take
+goes to the other moves alone, not to tokens that break the reply format."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from rollstream.consumer.learn.format_unlikelihood import tokenizer_piece, unlikelihood
+from rollstream.consumer.learn.learner import make_learner
+from rollstream.consumer.learn.move_share import MoveTokens, move_names, move_unlikelihood
+from rollstream.consumer.learn.policy_learner import PolicyLearner
+from rollstream.consumer.learn.tensors import build_token_batch
+
+from .helpers import learner_config, make_batch
+from .test_no_effect_moves import walk
+
+NAMES = ("Left", "Down", "Right", "Up")
+VOCAB = ["<answer>", "L", "Left", "R", "ight", " Up", "Down", "x", "</answer>"]
+
+
+def piece(token_id: int) -> str | None:
+    return VOCAB[token_id]
+
+
+def test_a_token_begins_a_move_when_one_is_a_prefix_of_the_other() -> None:
+    tokens = MoveTokens.of(piece, len(VOCAB), NAMES)
+    assert dict(zip(tokens.ids.tolist(), tokens.moves.tolist())) == {1: 0, 2: 0, 3: 2, 5: 3, 6: 1}
+    assert tokens.move_of(torch.tensor([3, 4, 2])).tolist() == [2, -1, 0]
+    # A token that begins two moves counts for neither; a vocabulary that begins none is a config error.
+    assert MoveTokens.of(lambda i: ["Move", "MoveUp"][i], 2, ("MoveUp", "MoveDown")).ids.tolist() == [1]
+    with pytest.raises(ValueError, match="begins any of the moves"):
+        MoveTokens.of(piece, len(VOCAB), ("Push",))
+    assert move_names({"FrozenLake": NAMES, "Sokoban": ("Up", "Down", "Left", "Right", "Wait")}) == (*NAMES, "Wait")
+
+
+def test_the_mass_taken_from_the_blamed_move_goes_to_the_other_moves_alone() -> None:
+    """`R` at p = 0.98, the other moves and the format's tokens sharing the rest: over the vocabulary the term's
+    gradient raises every token in proportion; among moves only the moves', and its value is -log(1 - q) of the
+    move's share q, both spellings of a move counted as one."""
+    tokens = MoveTokens.of(piece, len(VOCAB), NAMES)
+    logits = torch.tensor([[0.0, 1.0, 2.0, 8.0, 0.5, 1.5, 3.0, 2.5, 0.0]], requires_grad=True)
+    target = torch.tensor([3])
+    among = move_unlikelihood(logits, target, tokens)
+    (grad,) = torch.autograd.grad(among, logits)
+    p = torch.softmax(logits.detach(), dim=-1)[0]
+    moves = [1, 2, 3, 5, 6]
+    q = p[3] / p[moves].sum()
+    torch.testing.assert_close(among.detach(), -torch.log(1 - q), rtol=1e-4, atol=0)  # 1 - q rounds in float32
+    assert grad[0, 3] > 0 and (grad[0, [1, 2, 5, 6]] < 0).all()  # descent: `R` down, the other moves up
+    assert (grad[0, [0, 4, 7, 8]] == 0).all()  # `<answer>`, `ight`, `x`, `</answer>`: untouched
+    logprobs = torch.log_softmax(logits, dim=-1)[:, 3:4]
+    (over_vocabulary,) = torch.autograd.grad(unlikelihood(logprobs, torch.ones(1, 1)), logits)
+    assert (over_vocabulary[0, [0, 4, 7, 8]] < 0).all()  # the vocabulary's term raises the format breakers too
+
+
+def test_a_blamed_token_that_begins_no_move_falls_back_to_the_vocabulary() -> None:
+    tokens = MoveTokens.of(piece, len(VOCAB), NAMES)
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0, 4.0, 1.5, 3.0, 2.5, 0.0]], requires_grad=True)
+    away = move_unlikelihood(logits, torch.tensor([4]), tokens)  # `ight`
+    (grad,) = torch.autograd.grad(away, logits)
+    p = torch.softmax(logits.detach(), dim=-1)[0, 4]
+    torch.testing.assert_close(away.detach(), -torch.log(1 - p))
+    assert torch.isfinite(grad).all()
+
+
+def test_the_move_into_the_wall_loses_its_share_among_moves(tmp_path: Path, tiny_model: Path) -> None:
+    """A group that lost alike, each first walking into a wall, beside one that won: with the terms over moves the
+    wall move's share among moves falls, as its probability did over the vocabulary."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    group = [walk(tokenizer, m, ["P_\n_G", "P_\n_G", "_P\n_G"]) for m in range(4)]
+    won = [dataclasses.replace(walk(tokenizer, m, ["P_\n_G", "_P\n_G"], success=True), group_id="won")
+           for m in range(4)]
+    learner = make_learner(learner_config(tmp_path, tiny_model, "torch_train", "no_effect_unlikelihood_coef=1.0",
+                                          "move_unlikelihood_among_moves=true"))
+    assert isinstance(learner, PolicyLearner) and learner.settings.move_tokens is not None
+    moves = learner.settings.move_tokens
+    assert "R" in {tokenizer_piece(tokenizer)(int(i)) for i in moves.ids}
+    right_at = group[0].turns[0].response_span[0] + 1
+
+    def share() -> float:
+        tokens = build_token_batch([group[0]], [0.0])
+        with torch.no_grad():
+            logits = learner.strategy.model(input_ids=tokens.input_ids).logits[0, right_at - 1]
+        target = torch.tensor([int(group[0].input_ids[right_at])])
+        return 1 - float(torch.exp(-move_unlikelihood(logits.unsqueeze(0), target, moves)))  # q from -log(1 - q)
+
+    before = share()
+    metrics = learner.train_step(make_batch([group, won]))
+    assert metrics["actor/no_effect_moves"] == 4.0 and metrics["loss/no_effect_unlikelihood"] > 0
+    assert share() < before
+    learner.close()
