@@ -462,7 +462,7 @@ class RollstreamConfig:
     move_unlikelihood_among_moves: bool = False
     """The two terms above take for p the blamed move's share of the mass of the tokens that begin a move, not its
     probability over the vocabulary: the mass they take goes to the other moves only, not to tokens that break
-    the reply format (`consumer/learn/move_share.py`)."""
+    the reply format (`consumer/learn/move_share.py`). False by default; the main job sets true."""
     fatal_move_groups: FatalMoveGroups = "all"
     """Which groups `no_advantage` keeps for the fatal-move term alone (all members scored alike, one lost by its
     last move): `all`, or `at_success_rate`, that share of them given by the success of the last 256 episodes the

@@ -10,8 +10,9 @@ policy-gradient penalty would barely reach it either: on a sampled token it is s
 This term blames the move after which the env ended the episode without success (FrozenLake: the step into a
 hole), alone: -log(1 - p) of the token at which that reply chose its action, whatever its group scored. As with the
 reply format's unlikelihood (`format_unlikelihood`), its gradient on that token's logit is p, and the mass it frees
-goes to the other tokens in proportion to the policy's own probabilities there: to the other moves. An episode that
-ran out of moves blames no single move, and gets none.
+goes to the other tokens in proportion to the policy's own probabilities there: mostly to the other moves, and with
+`move_unlikelihood_among_moves` to them alone (`move_share`). An episode that ran out of moves blames no single move,
+and gets none.
 
 The coefficient is scaled by the batch's success rate (as `failed_group_advantage`'s push is). At full strength
 from the first step (coefficient 1.0, machine 26) the warm-started policy, which succeeds on almost no map, learnt
