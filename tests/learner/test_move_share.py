@@ -53,6 +53,8 @@ def test_the_mass_taken_from_the_blamed_move_goes_to_the_other_moves_alone() -> 
     torch.testing.assert_close(among.detach(), -torch.log(1 - q), rtol=1e-4, atol=0)  # 1 - q rounds in float32
     assert grad[0, 3] > 0 and (grad[0, [1, 2, 5, 6]] < 0).all()  # descent: `R` down, the other moves up
     assert (grad[0, [0, 4, 7, 8]] == 0).all()  # `<answer>`, `ight`, `x`, `</answer>`: untouched
+    left = move_unlikelihood(logits.detach(), torch.tensor([1]), tokens)  # `L`: its share is `L`'s and `Left`'s
+    torch.testing.assert_close(left, -torch.log(1 - p[[1, 2]].sum() / p[moves].sum()), rtol=1e-4, atol=0)
     logprobs = torch.log_softmax(logits, dim=-1)[:, 3:4]
     (over_vocabulary,) = torch.autograd.grad(unlikelihood(logprobs, torch.ones(1, 1)), logits)
     assert (over_vocabulary[0, [0, 4, 7, 8]] < 0).all()  # the vocabulary's term raises the format breakers too
