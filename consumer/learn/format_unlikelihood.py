@@ -71,6 +71,10 @@ def break_positions(traj: Trajectory, piece: Piece, action_names: Sequence[str])
 
 def unlikelihood(logprobs: torch.Tensor, break_mask: torch.Tensor) -> torch.Tensor:
     """Summed -log(1 - p) over the breaking tokens (`break_mask` > 0; `logprobs` (B, T - 1) are their log p)."""
+    return away_from(logprobs[break_mask > 0])
+
+
+def away_from(log_p: torch.Tensor) -> torch.Tensor:
+    """Summed -log(1 - p) for log p (any shape)."""
     # log(1 - p) as log(-expm1(log p)): exact near p = 1, where 1 - exp() would round to 0.
-    at = logprobs[break_mask > 0].float().clamp(max=-1e-7)
-    return -torch.log(-torch.expm1(at)).sum()
+    return -torch.log(-torch.expm1(log_p.float().clamp(max=-1e-7))).sum()

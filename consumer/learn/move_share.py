@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rollstream.consumer.learn.format_unlikelihood import Piece
+from rollstream.consumer.learn.format_unlikelihood import Piece, away_from
 from rollstream.shared.config import RollstreamConfig
 
 
@@ -59,11 +59,13 @@ class MoveTokens:
         return torch.where(found, moves, torch.full_like(moves, -1))
 
 
-def move_unlikelihood(logits: torch.Tensor, targets: torch.Tensor, tokens: MoveTokens) -> torch.Tensor:
-    """Summed -log(1 - q) over the blamed positions, q the blamed move's share of the moves' mass (`logits` (N, V)
-    and `targets` (N,) at those positions only). A target that begins no move has no share to lower: a blamed
-    position holds the reply's action token (`text.answer_token`), so it cannot happen but with a tokenizer that
-    spells a move some other way, and then that position's term is -log(1 - p) over the vocabulary."""
+def move_unlikelihood(logits: torch.Tensor, targets: torch.Tensor, log_p: torch.Tensor,
+                      tokens: MoveTokens) -> torch.Tensor:
+    """Summed -log(1 - q) over the blamed positions, q the blamed move's share of the moves' mass (`logits` (N, V),
+    `targets` (N,) and their logprobs over the vocabulary `log_p` (N,), at those positions only). A target that
+    begins no move has no share to lower: a blamed position holds the reply's action token (`text.answer_token`),
+    so it cannot happen but with a tokenizer that spells a move some other way, and then that position's term is
+    -log(1 - p) over the vocabulary."""
     logits = logits.float()
     move = tokens.move_of(targets)
     of_moves = logits[:, tokens.ids.to(logits.device)]  # (N, K)
@@ -72,9 +74,7 @@ def move_unlikelihood(logits: torch.Tensor, targets: torch.Tensor, tokens: MoveT
     own = (tokens.moves.to(logits.device).unsqueeze(0) == move.unsqueeze(1)) | (move < 0).unsqueeze(1)
     log_share = (torch.logsumexp(of_moves.masked_fill(~own, float("-inf")), dim=-1)
                  - torch.logsumexp(of_moves, dim=-1))
-    log_p = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
-    at = torch.where(move >= 0, log_share, log_p).clamp(max=-1e-7)
-    return -torch.log(-torch.expm1(at)).sum()
+    return away_from(torch.where(move >= 0, log_share, log_p.float()))
 
 
 def takes_move_share(cfg: RollstreamConfig) -> bool:

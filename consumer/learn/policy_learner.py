@@ -437,7 +437,7 @@ def microbatch_loss(forward: Forward, part: TokenBatch, settings: UpdateSettings
             if blames_a_move and settings.move_tokens is not None:
                 at = blamed[mask > 0] > 0  # the blamed rows of the response logits
                 targets = response_targets(part.input_ids, mask)[at]
-                away = move_unlikelihood(logits[at], targets, settings.move_tokens)
+                away = move_unlikelihood(logits[at], targets, logprobs[blamed > 0], settings.move_tokens)
             else:
                 away = unlikelihood(logprobs, blamed)
             loss = loss + coef * away / normalizer

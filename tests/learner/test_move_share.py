@@ -27,6 +27,12 @@ def piece(token_id: int) -> str | None:
     return VOCAB[token_id]
 
 
+def among_moves(logits: torch.Tensor, targets: torch.Tensor, tokens: MoveTokens) -> torch.Tensor:
+    """`move_unlikelihood` with the targets' logprobs over the vocabulary taken from `logits`, as the loss has them."""
+    log_p = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return move_unlikelihood(logits, targets, log_p, tokens)
+
+
 def test_a_token_begins_a_move_when_one_is_a_prefix_of_the_other() -> None:
     tokens = MoveTokens.of(piece, len(VOCAB), NAMES)
     assert dict(zip(tokens.ids.tolist(), tokens.moves.tolist())) == {1: 0, 2: 0, 3: 2, 5: 3, 6: 1}
@@ -45,7 +51,7 @@ def test_the_mass_taken_from_the_blamed_move_goes_to_the_other_moves_alone() -> 
     tokens = MoveTokens.of(piece, len(VOCAB), NAMES)
     logits = torch.tensor([[0.0, 1.0, 2.0, 8.0, 0.5, 1.5, 3.0, 2.5, 0.0]], requires_grad=True)
     target = torch.tensor([3])
-    among = move_unlikelihood(logits, target, tokens)
+    among = among_moves(logits, target, tokens)
     (grad,) = torch.autograd.grad(among, logits)
     p = torch.softmax(logits.detach(), dim=-1)[0]
     moves = [1, 2, 3, 5, 6]
@@ -53,7 +59,7 @@ def test_the_mass_taken_from_the_blamed_move_goes_to_the_other_moves_alone() -> 
     torch.testing.assert_close(among.detach(), -torch.log(1 - q), rtol=1e-4, atol=0)  # 1 - q rounds in float32
     assert grad[0, 3] > 0 and (grad[0, [1, 2, 5, 6]] < 0).all()  # descent: `R` down, the other moves up
     assert (grad[0, [0, 4, 7, 8]] == 0).all()  # `<answer>`, `ight`, `x`, `</answer>`: untouched
-    left = move_unlikelihood(logits.detach(), torch.tensor([1]), tokens)  # `L`: its share is `L`'s and `Left`'s
+    left = among_moves(logits.detach(), torch.tensor([1]), tokens)  # `L`: its share is `L`'s and `Left`'s
     torch.testing.assert_close(left, -torch.log(1 - p[[1, 2]].sum() / p[moves].sum()), rtol=1e-4, atol=0)
     logprobs = torch.log_softmax(logits, dim=-1)[:, 3:4]
     (over_vocabulary,) = torch.autograd.grad(unlikelihood(logprobs, torch.ones(1, 1)), logits)
@@ -63,7 +69,7 @@ def test_the_mass_taken_from_the_blamed_move_goes_to_the_other_moves_alone() -> 
 def test_a_blamed_token_that_begins_no_move_falls_back_to_the_vocabulary() -> None:
     tokens = MoveTokens.of(piece, len(VOCAB), NAMES)
     logits = torch.tensor([[0.0, 1.0, 2.0, 3.0, 4.0, 1.5, 3.0, 2.5, 0.0]], requires_grad=True)
-    away = move_unlikelihood(logits, torch.tensor([4]), tokens)  # `ight`
+    away = among_moves(logits, torch.tensor([4]), tokens)  # `ight`
     (grad,) = torch.autograd.grad(away, logits)
     p = torch.softmax(logits.detach(), dim=-1)[0, 4]
     torch.testing.assert_close(away.detach(), -torch.log(1 - p))
@@ -89,7 +95,7 @@ def test_the_move_into_the_wall_loses_its_share_among_moves(tmp_path: Path, tiny
         with torch.no_grad():
             logits = learner.strategy.model(input_ids=tokens.input_ids).logits[0, right_at - 1]
         target = torch.tensor([int(group[0].input_ids[right_at])])
-        return 1 - float(torch.exp(-move_unlikelihood(logits.unsqueeze(0), target, moves)))  # q from -log(1 - q)
+        return 1 - float(torch.exp(-among_moves(logits.unsqueeze(0), target, moves)))  # q from -log(1 - q)
 
     before = share()
     metrics = learner.train_step(make_batch([group, won]))
