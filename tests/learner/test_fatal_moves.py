@@ -12,6 +12,7 @@ from transformers import AutoTokenizer
 
 from rollstream.consumer.data.group_filters import NoAdvantageFilter
 from rollstream.consumer.learn.fatal_moves import fatal_move_positions, success_scaled_coef
+from rollstream.consumer.learn.format_unlikelihood import tokenizer_piece
 from rollstream.consumer.learn.learner import make_learner
 from rollstream.consumer.learn.policy_learner import PolicyLearner
 from rollstream.consumer.learn.tensors import build_token_batch
@@ -49,8 +50,7 @@ def lost_trajectory(tokenizer: AutoTokenizer, member: int, reply: str = "<answer
 def test_the_fatal_move_is_the_last_replys_action_token(tiny_model: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
 
-    def piece(token_id: int) -> str | None:
-        return None if token_id in tokenizer.all_special_ids else tokenizer.decode([token_id])
+    piece = tokenizer_piece(tokenizer)
 
     def blamed(traj: Trajectory) -> list[str | None]:
         return [piece(int(traj.input_ids[k])) for k in fatal_move_positions(traj, piece)]

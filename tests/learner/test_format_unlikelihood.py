@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
-from rollstream.consumer.learn.format_unlikelihood import break_positions, reply_formats, unlikelihood
+from rollstream.consumer.learn.format_unlikelihood import break_positions, reply_formats, tokenizer_piece, unlikelihood
 from rollstream.consumer.learn.learner import make_learner
 from rollstream.consumer.learn.loss import response_positions
 from rollstream.consumer.learn.policy_learner import PolicyLearner
@@ -36,8 +36,7 @@ def reply_trajectory(tokenizer: AutoTokenizer, member: int, reply: str, parsed: 
 def test_the_break_is_found_in_the_replys_own_tokens(tiny_model: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
 
-    def piece(token_id: int) -> str | None:
-        return None if token_id in tokenizer.all_special_ids else tokenizer.decode([token_id])
+    piece = tokenizer_piece(tokenizer)
 
     def broke_at(reply: str, parsed: bool = False, end: bool = True) -> list[str | None]:
         traj = reply_trajectory(tokenizer, 0, reply, parsed, end)

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
+from rollstream.consumer.learn.format_unlikelihood import tokenizer_piece
 from rollstream.consumer.learn.learner import make_learner
 from rollstream.consumer.learn.no_effect_moves import no_effect_move_positions
 from rollstream.consumer.learn.policy_learner import PolicyLearner
@@ -41,8 +42,7 @@ def walk(tokenizer: AutoTokenizer, member: int, states: list[str], *, success: b
 def test_a_move_that_changed_nothing_is_its_action_token(tiny_model: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
 
-    def piece(token_id: int) -> str | None:
-        return None if token_id in tokenizer.all_special_ids else tokenizer.decode([token_id])
+    piece = tokenizer_piece(tokenizer)
 
     def blamed(traj: Trajectory) -> list[int]:
         return no_effect_move_positions(traj, piece)
