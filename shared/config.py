@@ -482,6 +482,11 @@ class RollstreamConfig:
     entropy_coef_max: Annotated[float, Field(gt=0.0)] = 5e-3
     """Ceiling of the adaptive coefficient (entropy_target): 0.01 as a fixed bonus blew the main job's entropy up
     to 5-7 nats within 20 steps."""
+    entropy_among_moves: bool = False
+    """The entropy bonus is the entropy of the moves' shares at the token where each valid reply chose its action
+    (`consumer/learn/move_share.py`), not the token entropy of every response position over the vocabulary, which
+    also raises, at the positions of the reply's format, the tokens that break it. The adaptive coefficient still
+    reads the token entropy (loss/entropy) against entropy_target. Replies in the built-in format only."""
     adv_std_normalize: StdNormalize = "group"
     """grpo/gigpo: group divides by the group's std (floored at adv_std_floor); none keeps mean-only advantages."""
     adv_std_floor: Annotated[float, Field(gt=0.0)] = 1e-6

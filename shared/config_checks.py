@@ -120,6 +120,9 @@ def check_config(cfg: RollstreamConfig) -> list[str]:
         raise ConfigError(f"entropy_loss_coef={cfg.entropy_loss_coef} is above entropy_coef_max="
                           f"{cfg.entropy_coef_max}: with entropy_target set, entropy_loss_coef is where the adaptive "
                           "coefficient starts; lower it or raise entropy_coef_max")
+    if cfg.entropy_among_moves and cfg.entropy_loss_coef == 0 and cfg.entropy_target is None:
+        raise ConfigError("entropy_among_moves=true, but there is no entropy bonus to take among the moves: set "
+                          "entropy_target (adaptive) or entropy_loss_coef (fixed), or drop entropy_among_moves")
     _check_group_filter(cfg)
     _check_models(cfg)  # before the hosts: they place the engines that device_mapping makes
     plan_hosts(cfg.hosts, cfg.train_layout.num_workers, num_engines(cfg))

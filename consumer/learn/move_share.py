@@ -1,4 +1,5 @@
-"""Unlikelihood on a blamed move over the moves alone (`move_unlikelihood_among_moves`).
+"""Unlikelihood on a blamed move, and the entropy bonus, over the moves alone (`move_unlikelihood_among_moves`,
+`entropy_among_moves`).
 
 The terms that blame a move (`fatal_moves`, `no_effect_moves`) take -log(1 - p) of the token at which the reply
 chose its action, over the whole vocabulary: the mass it frees goes to every other token there in proportion, so
@@ -13,6 +14,12 @@ that begin a move only, down on the blamed move's, up on the others' in proporti
 (`R`, `Right`); a move's mass sums all its tokens, so no other spelling of the blamed move gains. On machine 39,
 alternating with the terms over the vocabulary on one build, the batches stayed 0.97-1.00 valid over steps 140-200
 against 0.93-0.99 (docs/learning.md, "a thirty-ninth machine").
+
+The entropy bonus (`entropy_target`) over the vocabulary raises, at every response position, the tokens the policy
+gives little mass to, in proportion to p(-log p - H): at the positions of the reply's format, which a settled
+policy writes with near certainty, those are the tokens that break it. Among moves, the bonus is the entropy of the
+moves' shares at the token where each valid reply chose its action, the one choice that makes a route: its gradient
+reaches the logits of the tokens that begin a move there, and nothing at the format's positions.
 """
 
 from __future__ import annotations
@@ -22,8 +29,10 @@ from dataclasses import dataclass
 
 import torch
 
-from rollstream.consumer.learn.format_unlikelihood import Piece, away_from
+from rollstream.consumer.learn.format_unlikelihood import Piece, away_from, reply_tokens
 from rollstream.shared.config import RollstreamConfig
+from rollstream.shared.envs.text import answer_token
+from rollstream.shared.schema import Trajectory
 
 
 @dataclass(frozen=True)
@@ -59,6 +68,22 @@ class MoveTokens:
         return torch.where(found, moves, torch.full_like(moves, -1))
 
 
+def move_log_shares(logits: torch.Tensor, tokens: MoveTokens) -> torch.Tensor:
+    """(N, M): the log of each move's share of the mass of the tokens that begin a move (`logits` (N, V)), for the
+    M moves that some token begins, in the order of their indices."""
+    of_moves = logits.float()[:, tokens.ids.to(logits.device)]  # (N, K)
+    moves = tokens.moves.to(logits.device)
+    own = moves.unsqueeze(0) == torch.unique(moves).unsqueeze(1)  # (M, K): no move without a token, no -inf row
+    per_move = of_moves.unsqueeze(1).masked_fill(~own.unsqueeze(0), float("-inf"))  # (N, M, K)
+    return torch.logsumexp(per_move, dim=-1) - torch.logsumexp(of_moves, dim=-1, keepdim=True)
+
+
+def move_entropy(logits: torch.Tensor, tokens: MoveTokens) -> torch.Tensor:
+    """(N,): the entropy (nats) of the moves' shares at each row of `logits` (N, V)."""
+    log_share = move_log_shares(logits, tokens)
+    return -(log_share.exp() * log_share).sum(dim=-1)
+
+
 def move_unlikelihood(logits: torch.Tensor, targets: torch.Tensor, log_p: torch.Tensor,
                       tokens: MoveTokens) -> torch.Tensor:
     """Summed -log(1 - q) over the blamed positions, q the blamed move's share of the moves' mass (`logits` (N, V),
@@ -81,6 +106,23 @@ def takes_move_share(cfg: RollstreamConfig) -> bool:
     """A term that blames a move is on, and takes the move's share among moves."""
     return cfg.move_unlikelihood_among_moves and (cfg.fatal_move_unlikelihood_coef > 0
                                                   or cfg.no_effect_unlikelihood_coef > 0)
+
+
+def entropy_among_moves(cfg: RollstreamConfig) -> bool:
+    """The loss has an entropy bonus (fixed or adaptive), and takes it over the moves' shares."""
+    return cfg.entropy_among_moves and (cfg.entropy_loss_coef > 0 or cfg.entropy_target is not None)
+
+
+def move_positions(traj: Trajectory, piece: Piece) -> list[int]:
+    """The index in `traj.input_ids` of the token at which each valid reply chose its action."""
+    positions = []
+    for turn in traj.turns:
+        if turn.action_is_valid:
+            generated, pieces = reply_tokens(traj, turn, piece)
+            at = answer_token(pieces)
+            if at is not None:
+                positions.append(generated[at])
+    return positions
 
 
 def move_names(formats: Mapping[str, Sequence[str]]) -> tuple[str, ...]:

@@ -75,7 +75,15 @@ from rollstream.consumer.learn.loss import (
     token_logprobs,
     truncated_importance_weights,
 )
-from rollstream.consumer.learn.move_share import MoveTokens, move_names, move_unlikelihood, takes_move_share
+from rollstream.consumer.learn.move_share import (
+    MoveTokens,
+    entropy_among_moves,
+    move_entropy,
+    move_names,
+    move_positions,
+    move_unlikelihood,
+    takes_move_share,
+)
 from rollstream.consumer.learn.no_effect_moves import no_effect_move_positions
 from rollstream.consumer.learn.strategy import TrainStrategy, causal_lm_logits, minibatch_size
 from rollstream.consumer.learn.tensors import Shard, TokenBatch, build_token_batch, plan_shards
@@ -133,8 +141,13 @@ class UpdateSettings:
     no_effect_unlikelihood_coef: float = 0.0
     """Coefficient of -log(1 - p) on the action token of each move that changed nothing (`no_effect_moves`)."""
     move_tokens: MoveTokens | None = None
-    """The tokens that begin a move, when the two terms above take the blamed move's share of the moves' mass for
-    p (`move_unlikelihood_among_moves`, `move_share`); None: p over the vocabulary."""
+    """The tokens that begin a move, when a term below takes the moves' shares (`move_share`); None when none does."""
+    blames_among_moves: bool = False
+    """The two terms above take the blamed move's share of the moves' mass for p (`move_unlikelihood_among_moves`);
+    False: p over the vocabulary."""
+    entropy_among_moves: bool = False
+    """The entropy bonus is the entropy of the moves' shares at each valid reply's action token
+    (`entropy_among_moves`); False: the token entropy of every response position."""
 
     @property
     def has_kl_term(self) -> bool:
@@ -154,17 +167,20 @@ class UpdateSettings:
 
     @property
     def has_entropy_term(self) -> bool:
-        """The loss has an entropy bonus, so the entropy keeps its graph."""
+        """The loss has an entropy bonus."""
         return self.entropy_coef != 0
+
+    def __post_init__(self) -> None:
+        if self.old_logprobs not in OLD_LOGPROB_SOURCES:
+            raise ValueError(f"old_logprobs={self.old_logprobs!r}: must be one of {', '.join(OLD_LOGPROB_SOURCES)}")
+        if (self.blames_among_moves or self.entropy_among_moves) and self.move_tokens is None:
+            raise ValueError("a term takes the moves' shares (move_unlikelihood_among_moves, entropy_among_moves), "
+                             "but the settings hold no move tokens to take them over")
 
     @property
     def zero_advantage_rows_have_no_gradient(self) -> bool:
         """A KL penalty or an entropy bonus gives every row a gradient, whatever its advantage."""
         return not self.has_kl_term and not self.has_entropy_term
-
-    def __post_init__(self) -> None:
-        if self.old_logprobs not in OLD_LOGPROB_SOURCES:
-            raise ValueError(f"old_logprobs={self.old_logprobs!r}: must be one of {', '.join(OLD_LOGPROB_SOURCES)}")
 
     @classmethod
     def from_config(cls, cfg: RollstreamConfig, tokenizer: Any = None) -> UpdateSettings:
@@ -173,18 +189,22 @@ class UpdateSettings:
         args = cfg.actor_train.training_args
         low, high = cfg.pg_clip_range
         words = tuple(cfg.actor_infer.generating_args.bad_words)
-        names = move_names(reply_formats(cfg.custom_envs)) if takes_move_share(cfg) else ()
+        blames, entropy = takes_move_share(cfg), entropy_among_moves(cfg)
+        names = move_names(reply_formats(cfg.custom_envs)) if blames or entropy else ()
+        if (blames or entropy) and not names:
+            raise ValueError("move_unlikelihood_among_moves or entropy_among_moves: no env of custom_envs replies in "
+                             "the built-in format, so there are no moves to take shares among; drop the key")
         if (words or names) and tokenizer is None:
-            raise ValueError("UpdateSettings.from_config: this config bans words (bad_words) or takes a blamed "
-                             "move's share among moves (move_unlikelihood_among_moves); pass the model's tokenizer "
-                             "so that the loss can find those tokens")
+            raise ValueError("UpdateSettings.from_config: this config bans words (bad_words) or takes the moves' "
+                             "shares (move_unlikelihood_among_moves, entropy_among_moves); pass the model's "
+                             "tokenizer so that the loss can find those tokens")
         banned = tuple(tuple(ids) for ids in bad_word_ids(tokenizer, words)) if words else ()
         moves = MoveTokens.of(tokenizer_piece(tokenizer), len(tokenizer), names) if names else None
         return cls(low, cfg.is_ratio_cap, cfg.old_logprobs, cfg.init_kl_coef, cfg.entropy_loss_coef,
                    cfg.ppo_epochs, minibatch_size(cfg), args.per_device_train_batch_size,
                    args.max_tokens_per_microbatch, cfg.actor_train.infer_batch_size, high, cfg.skip_zero_advantage,
                    cfg.early_stop_kl, banned, unparsed_reply_kl_coef(cfg), cfg.format_unlikelihood_coef,
-                   cfg.fatal_move_unlikelihood_coef, cfg.no_effect_unlikelihood_coef, moves)
+                   cfg.fatal_move_unlikelihood_coef, cfg.no_effect_unlikelihood_coef, moves, blames, entropy)
 
 
 class PolicyLearner:
@@ -202,9 +222,10 @@ class PolicyLearner:
         self.reference = load_reference(cfg, strategy.device) if needs_reference(cfg) else None
         self.entropy_control = EntropyControl.from_config(cfg)
         blames = (cfg.format_unlikelihood_coef, cfg.fatal_move_unlikelihood_coef, cfg.no_effect_unlikelihood_coef)
-        self.reply_formats = reply_formats(cfg.custom_envs) if any(c > 0 for c in blames) else {}
+        finds = any(c > 0 for c in blames) or self.settings.entropy_among_moves
+        self.reply_formats = reply_formats(cfg.custom_envs) if finds else {}
         """Action names by env tag (the tags whose replies use the built-in format), for finding where an unparsed
-        reply broke the format and where a fatal move or one that changed nothing chose its action."""
+        reply broke the format and where a move (fatal, one that changed nothing, any valid one) chose its action."""
         self.piece: Piece = tokenizer_piece(self.tokenizer)
         """A token's text; None for a special token (end-of-sequence ends a reply)."""
         self.steps_done = 0
@@ -221,8 +242,10 @@ class PolicyLearner:
                                    lambda t: fatal_move_positions(t, self.piece))
         no_effect = self.blamed_tokens(trajs, self.settings.no_effect_unlikelihood_coef,
                                        lambda t: no_effect_move_positions(t, self.piece))
+        moves = ([move_positions(t, self.piece) if t.tag in self.reply_formats else [] for t in trajs]
+                 if self.settings.entropy_among_moves else None)
         tokens = build_token_batch(trajs, advantages, whiten=self.cfg.whiten_advantages, clip=self.cfg.adv_clip,
-                                   breaks=breaks, fatal=fatal, no_effect=no_effect)
+                                   breaks=breaks, fatal=fatal, no_effect=no_effect, moves=moves)
         check_trainable(tokens, batch.step)
         metrics = advantage_stats(tokens)
         metrics["actor/zero_adv_rows"] = float(tokens.num_rows - int(rows_with_gradient(tokens).sum()))
@@ -434,7 +457,8 @@ def microbatch_loss(forward: Forward, part: TokenBatch, settings: UpdateSettings
                      "no_effect_moves", True))
     for coef, blamed, term, count, blames_a_move in blamed_terms:
         if coef > 0 and blamed is not None:
-            if blames_a_move and settings.move_tokens is not None:
+            if blames_a_move and settings.blames_among_moves:
+                assert settings.move_tokens is not None  # __post_init__
                 at = blamed[mask > 0] > 0  # the blamed rows of the response logits
                 targets = response_targets(part.input_ids, mask)[at]
                 away = move_unlikelihood(logits[at], targets, logprobs[blamed > 0], settings.move_tokens)
@@ -443,10 +467,18 @@ def microbatch_loss(forward: Forward, part: TokenBatch, settings: UpdateSettings
             loss = loss + coef * away / normalizer
             sums[term] = away.detach()
             sums[count] = blamed.sum()
-    # The entropy keeps its graph only when it is part of the loss.
-    with torch.set_grad_enabled(settings.has_entropy_term and torch.is_grad_enabled()):
+    # The token entropy keeps its graph only when it is the loss's bonus.
+    bonus_over_vocab = settings.has_entropy_term and not settings.entropy_among_moves
+    with torch.set_grad_enabled(bonus_over_vocab and torch.is_grad_enabled()):
         entropy = token_entropy(logits).sum()  # the logits are the response positions' only
-    if settings.has_entropy_term:
+    if settings.entropy_among_moves and part.move_mask is not None:
+        assert settings.move_tokens is not None  # __post_init__
+        among_moves = move_entropy(logits[part.move_mask[mask > 0] > 0], settings.move_tokens).sum()
+        if settings.has_entropy_term:
+            loss = loss - settings.entropy_coef * among_moves / normalizer
+        sums["move_entropy"] = among_moves.detach()
+        sums["moves"] = part.move_mask.sum()
+    elif bonus_over_vocab:
         loss = loss - settings.entropy_coef * entropy / normalizer
     sums["entropy"] = entropy.detach()
     if response.banned_mass is not None:
@@ -477,7 +509,7 @@ def unparsed_drift(logits: torch.Tensor, part: TokenBatch, reference: Forward) -
 
 TALLY_KEYS = frozenset({"pg", "clip", "truncated", "ratio", "approx_kl", "is_weight", "kl", "unparsed_kl", "entropy",
                         "banned_mass", "unlikelihood", "format_breaks", "fatal_unlikelihood", "fatal_moves",
-                        "no_effect_unlikelihood", "no_effect_moves", "tokens"})
+                        "no_effect_unlikelihood", "no_effect_moves", "move_entropy", "moves", "tokens"})
 """Every sum a Tally may hold; ranks reduce them in this (sorted) order, whichever they saw."""
 
 
@@ -559,6 +591,8 @@ class Tally:
         if "no_effect_unlikelihood" in self.sums:
             out["loss/no_effect_unlikelihood"] = self.sums["no_effect_unlikelihood"] / n
             out["actor/no_effect_moves"] = self.sums["no_effect_moves"]
+        if "move_entropy" in self.sums:
+            out["loss/move_entropy"] = self.sums["move_entropy"] / max(self.sums["moves"], 1.0)
         return out
 
 

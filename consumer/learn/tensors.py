@@ -46,6 +46,9 @@ class TokenBatch:
     no_effect_mask: torch.Tensor | None = None
     """(B, T - 1) float32, 1 on the token at which a move that changed nothing chose its action (`no_effect_moves`);
     None when the batch was built without them."""
+    move_mask: torch.Tensor | None = None
+    """(B, T - 1) float32, 1 on the token at which each valid reply chose its action (`entropy_among_moves`); None
+    when the batch was built without them."""
 
     @property
     def num_rows(self) -> int:
@@ -102,13 +105,16 @@ def build_token_batch(
     breaks: Sequence[Sequence[int]] | None = None,
     fatal: Sequence[Sequence[int]] | None = None,
     no_effect: Sequence[Sequence[int]] | None = None,
+    moves: Sequence[Sequence[int]] | None = None,
 ) -> TokenBatch:
     """Pad the trajectories into one TokenBatch with per-token advantages (whitened/clipped over response tokens);
     `breaks`: each trajectory's format-breaking token indices, for `break_mask`; `fatal`: its fatal move's action
-    token index, for `fatal_mask`; `no_effect`: its moves' that changed nothing, for `no_effect_mask`."""
+    token index, for `fatal_mask`; `no_effect`: its moves' that changed nothing, for `no_effect_mask`; `moves`: every
+    valid reply's, for `move_mask`."""
     if len(trajs) != len(advantages):
         raise ValueError(f"{len(advantages)} advantages for {len(trajs)} trajectories")
-    for name, marks in (("format breaks", breaks), ("fatal moves", fatal), ("no-effect moves", no_effect)):
+    for name, marks in (("format breaks", breaks), ("fatal moves", fatal), ("no-effect moves", no_effect),
+                        ("moves", moves)):
         if marks is not None and len(marks) != len(trajs):
             raise ValueError(f"{name} for {len(marks)} trajectories, {len(trajs)} trajectories")
     for t in trajs:
@@ -150,6 +156,7 @@ def build_token_batch(
         break_mask=target_marks(breaks, width),
         fatal_mask=target_marks(fatal, width),
         no_effect_mask=target_marks(no_effect, width),
+        move_mask=target_marks(moves, width),
     )
 
 

@@ -1,5 +1,6 @@
 """move_unlikelihood_among_moves: the terms that blame a move lower its share among the moves, and the mass they take
-goes to the other moves alone, not to tokens that break the reply format."""
+goes to the other moves alone, not to tokens that break the reply format; entropy_among_moves: the entropy bonus
+raises the moves' shares' entropy at the action token alone."""
 
 from __future__ import annotations
 
@@ -12,9 +13,17 @@ from transformers import AutoTokenizer
 
 from rollstream.consumer.learn.format_unlikelihood import tokenizer_piece, unlikelihood
 from rollstream.consumer.learn.learner import make_learner
-from rollstream.consumer.learn.move_share import MoveTokens, move_names, move_unlikelihood
+from rollstream.consumer.learn.loss import token_entropy
+from rollstream.consumer.learn.move_share import (
+    MoveTokens,
+    move_entropy,
+    move_names,
+    move_positions,
+    move_unlikelihood,
+)
 from rollstream.consumer.learn.policy_learner import PolicyLearner
 from rollstream.consumer.learn.tensors import build_token_batch
+from rollstream.shared.config import ConfigError, load_config
 
 from .helpers import learner_config, make_batch
 from .test_no_effect_moves import walk
@@ -102,3 +111,69 @@ def test_the_move_into_the_wall_loses_its_share_among_moves(tmp_path: Path, tiny
     assert metrics["actor/no_effect_moves"] == 4.0 and metrics["loss/no_effect_unlikelihood"] > 0
     assert share() < before
     learner.close()
+
+
+def test_the_bonus_among_moves_is_the_entropy_of_the_moves_shares_and_reaches_their_tokens_alone() -> None:
+    tokens = MoveTokens.of(piece, len(VOCAB), NAMES)
+    logits = torch.tensor([[0.0, 1.0, 2.0, 8.0, 0.5, 1.5, 3.0, 2.5, 0.0]], requires_grad=True)
+    entropy = move_entropy(logits, tokens)
+    (grad,) = torch.autograd.grad(entropy.sum(), logits)
+    p = torch.softmax(logits.detach(), dim=-1)[0]
+    shares = torch.stack([p[[1, 2]].sum(), p[6], p[3], p[5]]) / p[[1, 2, 3, 5, 6]].sum()  # `L` and `Left` one move
+    torch.testing.assert_close(entropy.detach(), -(shares * shares.log()).sum().unsqueeze(0))
+    assert grad[0, 3] < 0 and (grad[0, [1, 2, 5, 6]] > 0).all()  # ascent: the sure move `R` down, the others up
+    assert (grad[0, [0, 4, 7, 8]] == 0).all()  # `<answer>`, `ight`, `x`, `</answer>`: untouched
+    (over_vocabulary,) = torch.autograd.grad(token_entropy(logits).sum(), logits)
+    assert (over_vocabulary[0, [0, 7, 8]] > 0).all()  # the vocabulary's entropy raises the format breakers too
+    uniform = move_entropy(torch.zeros(1, len(VOCAB)).index_fill(1, torch.tensor([1, 2]), -0.6931), tokens)
+    torch.testing.assert_close(uniform, torch.tensor([4.0]).log(), rtol=1e-4, atol=0)  # L + Left = each other
+
+
+def test_a_named_move_that_no_token_begins_leaves_the_bonus_finite() -> None:
+    tokens = MoveTokens.of(piece, len(VOCAB), (*NAMES, "Push"))
+    logits = torch.randn(3, len(VOCAB), requires_grad=True)
+    entropy = move_entropy(logits, tokens)
+    (grad,) = torch.autograd.grad(entropy.sum(), logits)
+    assert torch.isfinite(entropy).all() and torch.isfinite(grad).all()
+
+
+def test_every_valid_reply_chose_its_move_at_its_action_token(tiny_model: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    piece_of = tokenizer_piece(tokenizer)
+    traj = walk(tokenizer, 0, ["P_\n_G", "P_\n_G", "_P\n_G"], valid=(True, False, True))
+    at = move_positions(traj, piece_of)
+    assert at == [traj.turns[0].response_span[0] + 1, traj.turns[2].response_span[0] + 1]  # after `<answer>`
+    assert [piece_of(int(traj.input_ids[k])) for k in at] == ["R", "R"]
+
+
+def test_the_bonus_among_moves_raises_the_moves_entropy_where_no_advantage_trains(tmp_path: Path,
+                                                                                  tiny_model: Path) -> None:
+    """Two groups that each scored alike: no advantage, no blamed move, so the bonus is the loss's only term; it
+    raises the entropy of the moves' shares at the action token and reports it."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    lost = [walk(tokenizer, m, ["P_\n_G", "_P\n_G"]) for m in range(4)]
+    won = [dataclasses.replace(walk(tokenizer, m, ["P_\n_G", "_P\n_G"], success=True), group_id="won")
+           for m in range(4)]
+    learner = make_learner(learner_config(tmp_path, tiny_model, "torch_train", "entropy_loss_coef=0.5",
+                                          "entropy_among_moves=true"))
+    assert isinstance(learner, PolicyLearner) and learner.settings.move_tokens is not None
+    moves = learner.settings.move_tokens
+    right_at = lost[0].turns[0].response_span[0] + 1
+
+    def entropy() -> float:
+        tokens = build_token_batch([lost[0]], [0.0])
+        with torch.no_grad():
+            logits = learner.strategy.model(input_ids=tokens.input_ids).logits[0, right_at - 1]
+        return float(move_entropy(logits.unsqueeze(0), moves))
+
+    before = entropy()
+    metrics = learner.train_step(make_batch([lost, won]))
+    assert metrics["loss/move_entropy"] > 0 and metrics["actor/entropy_coef"] == 0.5
+    assert entropy() > before
+    learner.close()
+
+
+def test_the_bonus_among_moves_needs_a_bonus() -> None:
+    with pytest.raises(ConfigError, match="no entropy bonus to take among the moves"):
+        load_config(None, ["entropy_among_moves=true"])
+    assert load_config(None, ["entropy_among_moves=true", "entropy_target=0.1"]).entropy_among_moves
