@@ -170,17 +170,17 @@ class UpdateSettings:
         """The loss has an entropy bonus."""
         return self.entropy_coef != 0
 
+    @property
+    def zero_advantage_rows_have_no_gradient(self) -> bool:
+        """A KL penalty or an entropy bonus gives every row a gradient, whatever its advantage."""
+        return not self.has_kl_term and not self.has_entropy_term
+
     def __post_init__(self) -> None:
         if self.old_logprobs not in OLD_LOGPROB_SOURCES:
             raise ValueError(f"old_logprobs={self.old_logprobs!r}: must be one of {', '.join(OLD_LOGPROB_SOURCES)}")
         if (self.blames_among_moves or self.entropy_among_moves) and self.move_tokens is None:
             raise ValueError("a term takes the moves' shares (move_unlikelihood_among_moves, entropy_among_moves), "
                              "but the settings hold no move tokens to take them over")
-
-    @property
-    def zero_advantage_rows_have_no_gradient(self) -> bool:
-        """A KL penalty or an entropy bonus gives every row a gradient, whatever its advantage."""
-        return not self.has_kl_term and not self.has_entropy_term
 
     @classmethod
     def from_config(cls, cfg: RollstreamConfig, tokenizer: Any = None) -> UpdateSettings:

@@ -24,6 +24,7 @@ from rollstream.consumer.learn.move_share import (
 from rollstream.consumer.learn.policy_learner import PolicyLearner
 from rollstream.consumer.learn.tensors import build_token_batch
 from rollstream.shared.config import ConfigError, load_config
+from rollstream.shared.schema import Trajectory
 
 from .helpers import learner_config, make_batch
 from .test_no_effect_moves import walk
@@ -40,6 +41,27 @@ def among_moves(logits: torch.Tensor, targets: torch.Tensor, tokens: MoveTokens)
     """`move_unlikelihood` with the targets' logprobs over the vocabulary taken from `logits`, as the loss has them."""
     log_p = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     return move_unlikelihood(logits, targets, log_p, tokens)
+
+
+def won_alike(tokenizer: AutoTokenizer) -> list[Trajectory]:
+    """A group whose four members each won in two moves: beside a group that lost alike, the batch's success is 0.5."""
+    return [dataclasses.replace(walk(tokenizer, m, ["P_\n_G", "_P\n_G"], success=True), group_id="won")
+            for m in range(4)]
+
+
+def moves_learner(tmp_path: Path, tiny_model: Path, *overrides: str) -> tuple[PolicyLearner, MoveTokens]:
+    learner = make_learner(learner_config(tmp_path, tiny_model, "torch_train", *overrides))
+    assert isinstance(learner, PolicyLearner) and learner.settings.move_tokens is not None
+    return learner, learner.settings.move_tokens
+
+
+def first_action_logits(learner: PolicyLearner, traj: Trajectory) -> tuple[torch.Tensor, int]:
+    """(1, V): the learner's logits where the trajectory's first reply chose its action, and that token's index."""
+    at = traj.turns[0].response_span[0] + 1  # after `<answer>`
+    tokens = build_token_batch([traj], [0.0])
+    with torch.no_grad():
+        logits = learner.strategy.model(input_ids=tokens.input_ids).logits[0, at - 1]
+    return logits.unsqueeze(0), int(traj.input_ids[at])
 
 
 def test_a_token_begins_a_move_when_one_is_a_prefix_of_the_other() -> None:
@@ -90,24 +112,16 @@ def test_the_move_into_the_wall_loses_its_share_among_moves(tmp_path: Path, tiny
     wall move's share among moves falls, as its probability did over the vocabulary."""
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     group = [walk(tokenizer, m, ["P_\n_G", "P_\n_G", "_P\n_G"]) for m in range(4)]
-    won = [dataclasses.replace(walk(tokenizer, m, ["P_\n_G", "_P\n_G"], success=True), group_id="won")
-           for m in range(4)]
-    learner = make_learner(learner_config(tmp_path, tiny_model, "torch_train", "no_effect_unlikelihood_coef=1.0",
-                                          "move_unlikelihood_among_moves=true"))
-    assert isinstance(learner, PolicyLearner) and learner.settings.move_tokens is not None
-    moves = learner.settings.move_tokens
+    learner, moves = moves_learner(tmp_path, tiny_model, "no_effect_unlikelihood_coef=1.0",
+                                   "move_unlikelihood_among_moves=true")
     assert "R" in {tokenizer_piece(tokenizer)(int(i)) for i in moves.ids}
-    right_at = group[0].turns[0].response_span[0] + 1
 
     def share() -> float:
-        tokens = build_token_batch([group[0]], [0.0])
-        with torch.no_grad():
-            logits = learner.strategy.model(input_ids=tokens.input_ids).logits[0, right_at - 1]
-        target = torch.tensor([int(group[0].input_ids[right_at])])
-        return 1 - float(torch.exp(-among_moves(logits.unsqueeze(0), target, moves)))  # q from -log(1 - q)
+        logits, right = first_action_logits(learner, group[0])
+        return 1 - float(torch.exp(-among_moves(logits, torch.tensor([right]), moves)))  # q from -log(1 - q)
 
     before = share()
-    metrics = learner.train_step(make_batch([group, won]))
+    metrics = learner.train_step(make_batch([group, won_alike(tokenizer)]))
     assert metrics["actor/no_effect_moves"] == 4.0 and metrics["loss/no_effect_unlikelihood"] > 0
     assert share() < before
     learner.close()
@@ -126,7 +140,7 @@ def test_the_bonus_among_moves_is_the_entropy_of_the_moves_shares_and_reaches_th
     (over_vocabulary,) = torch.autograd.grad(token_entropy(logits).sum(), logits)
     assert (over_vocabulary[0, [0, 7, 8]] > 0).all()  # the vocabulary's entropy raises the format breakers too
     uniform = move_entropy(torch.zeros(1, len(VOCAB)).index_fill(1, torch.tensor([1, 2]), -0.6931), tokens)
-    torch.testing.assert_close(uniform, torch.tensor([4.0]).log(), rtol=1e-4, atol=0)  # L + Left = each other
+    torch.testing.assert_close(uniform, torch.tensor([4.0]).log(), rtol=1e-4, atol=0)  # `L`, `Left` at half each
 
 
 def test_a_named_move_that_no_token_begins_leaves_the_bonus_finite() -> None:
@@ -152,22 +166,13 @@ def test_the_bonus_among_moves_raises_the_moves_entropy_where_no_advantage_train
     raises the entropy of the moves' shares at the action token and reports it."""
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     lost = [walk(tokenizer, m, ["P_\n_G", "_P\n_G"]) for m in range(4)]
-    won = [dataclasses.replace(walk(tokenizer, m, ["P_\n_G", "_P\n_G"], success=True), group_id="won")
-           for m in range(4)]
-    learner = make_learner(learner_config(tmp_path, tiny_model, "torch_train", "entropy_loss_coef=0.5",
-                                          "entropy_among_moves=true"))
-    assert isinstance(learner, PolicyLearner) and learner.settings.move_tokens is not None
-    moves = learner.settings.move_tokens
-    right_at = lost[0].turns[0].response_span[0] + 1
+    learner, moves = moves_learner(tmp_path, tiny_model, "entropy_loss_coef=0.5", "entropy_among_moves=true")
 
     def entropy() -> float:
-        tokens = build_token_batch([lost[0]], [0.0])
-        with torch.no_grad():
-            logits = learner.strategy.model(input_ids=tokens.input_ids).logits[0, right_at - 1]
-        return float(move_entropy(logits.unsqueeze(0), moves))
+        return float(move_entropy(first_action_logits(learner, lost[0])[0], moves))
 
     before = entropy()
-    metrics = learner.train_step(make_batch([lost, won]))
+    metrics = learner.train_step(make_batch([lost, won_alike(tokenizer)]))
     assert metrics["loss/move_entropy"] > 0 and metrics["actor/entropy_coef"] == 0.5
     assert entropy() > before
     learner.close()
