@@ -25,8 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from rollstream.consumer.learn.format_unlikelihood import Piece, reply_tokens
-from rollstream.shared.envs.text import answer_token
+from rollstream.consumer.learn.format_unlikelihood import Piece, action_positions
 from rollstream.shared.schema import Trajectory
 
 
@@ -50,8 +49,4 @@ def success_scaled_coef(coef: float, trajs: Sequence[Trajectory]) -> float:
 def fatal_move_positions(traj: Trajectory, piece: Piece) -> list[int]:
     """The index in `traj.input_ids` of the token at which the episode's fatal move chose its action; [] when the
     episode did not end so, or that reply's tokens do not spell a well-formed reply."""
-    if not ended_by_its_last_move(traj):
-        return []
-    generated, pieces = reply_tokens(traj, traj.turns[-1], piece)
-    at = answer_token(pieces)
-    return [] if at is None else [generated[at]]
+    return action_positions(traj, traj.turns[-1:], piece) if ended_by_its_last_move(traj) else []

@@ -15,14 +15,14 @@ well-formed reply can begin with what was written.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from rollstream.shared.config import CustomEnvConfig
 from rollstream.shared.envs.registry import resolve_env_type
-from rollstream.shared.envs.text import format_break
+from rollstream.shared.envs.text import answer_token, format_break
 from rollstream.shared.schema import Trajectory, Turn
 
 Piece = Callable[[int], "str | None"]
@@ -54,6 +54,18 @@ def reply_tokens(traj: Trajectory, turn: Turn, piece: Piece) -> tuple[list[int],
     start, end = turn.response_span
     generated = [k for k in range(start, end) if traj.response_mask[k] > 0]
     return generated, [piece(int(traj.input_ids[k])) for k in generated]
+
+
+def action_positions(traj: Trajectory, turns: Iterable[Turn], piece: Piece) -> list[int]:
+    """The index in `traj.input_ids` of the token at which each of `turns`' replies chose its action; a reply whose
+    tokens do not spell a well-formed reply has none (`text.answer_token`)."""
+    positions = []
+    for turn in turns:
+        generated, pieces = reply_tokens(traj, turn, piece)
+        at = answer_token(pieces)
+        if at is not None:
+            positions.append(generated[at])
+    return positions
 
 
 def break_positions(traj: Trajectory, piece: Piece, action_names: Sequence[str]) -> list[int]:

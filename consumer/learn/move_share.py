@@ -29,9 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
-from rollstream.consumer.learn.format_unlikelihood import Piece, away_from, reply_tokens
+from rollstream.consumer.learn.format_unlikelihood import Piece, action_positions, away_from
 from rollstream.shared.config import RollstreamConfig
-from rollstream.shared.envs.text import answer_token
 from rollstream.shared.schema import Trajectory
 
 
@@ -68,19 +67,20 @@ class MoveTokens:
         return torch.where(found, moves, torch.full_like(moves, -1))
 
 
-def move_log_shares(logits: torch.Tensor, tokens: MoveTokens) -> torch.Tensor:
+def move_log_shares(logits: torch.Tensor, tokens: MoveTokens) -> tuple[torch.Tensor, torch.Tensor]:
     """(N, M): the log of each move's share of the mass of the tokens that begin a move (`logits` (N, V)), for the
-    M moves that some token begins, in the order of their indices."""
+    M moves that some token begins; and (M,) those moves' indices, ascending (a column per move)."""
     of_moves = logits.float()[:, tokens.ids.to(logits.device)]  # (N, K)
     moves = tokens.moves.to(logits.device)
-    own = moves.unsqueeze(0) == torch.unique(moves).unsqueeze(1)  # (M, K): no move without a token, no -inf row
+    present = torch.unique(moves)
+    own = moves.unsqueeze(0) == present.unsqueeze(1)  # (M, K): no move without a token, no -inf row
     per_move = of_moves.unsqueeze(1).masked_fill(~own.unsqueeze(0), float("-inf"))  # (N, M, K)
-    return torch.logsumexp(per_move, dim=-1) - torch.logsumexp(of_moves, dim=-1, keepdim=True)
+    return torch.logsumexp(per_move, dim=-1) - torch.logsumexp(of_moves, dim=-1, keepdim=True), present
 
 
 def move_entropy(logits: torch.Tensor, tokens: MoveTokens) -> torch.Tensor:
     """(N,): the entropy (nats) of the moves' shares at each row of `logits` (N, V)."""
-    log_share = move_log_shares(logits, tokens)
+    log_share, _ = move_log_shares(logits, tokens)
     return -(log_share.exp() * log_share).sum(dim=-1)
 
 
@@ -91,14 +91,11 @@ def move_unlikelihood(logits: torch.Tensor, targets: torch.Tensor, log_p: torch.
     begins no move has no share to lower: a blamed position holds the reply's action token (`text.answer_token`),
     so it cannot happen but with a tokenizer that spells a move some other way, and then that position's term is
     -log(1 - p) over the vocabulary."""
-    logits = logits.float()
     move = tokens.move_of(targets)
-    of_moves = logits[:, tokens.ids.to(logits.device)]  # (N, K)
-    # A row whose target begins no move counts every move as its own: a finite share that `where` leaves out
-    # (a logsumexp over nothing is -inf, and its gradient NaN even where it is not chosen).
-    own = (tokens.moves.to(logits.device).unsqueeze(0) == move.unsqueeze(1)) | (move < 0).unsqueeze(1)
-    log_share = (torch.logsumexp(of_moves.masked_fill(~own, float("-inf")), dim=-1)
-                 - torch.logsumexp(of_moves, dim=-1))
+    log_shares, present = move_log_shares(logits, tokens)
+    # A target that begins no move reads the first move's column: a finite share that `where` leaves out.
+    column = torch.searchsorted(present, move.clamp(min=0)).clamp(max=len(present) - 1)
+    log_share = log_shares.gather(1, column.unsqueeze(1)).squeeze(1)
     return away_from(torch.where(move >= 0, log_share, log_p.float()))
 
 
@@ -115,14 +112,7 @@ def entropy_among_moves(cfg: RollstreamConfig) -> bool:
 
 def move_positions(traj: Trajectory, piece: Piece) -> list[int]:
     """The index in `traj.input_ids` of the token at which each valid reply chose its action."""
-    positions = []
-    for turn in traj.turns:
-        if turn.action_is_valid:
-            generated, pieces = reply_tokens(traj, turn, piece)
-            at = answer_token(pieces)
-            if at is not None:
-                positions.append(generated[at])
-    return positions
+    return action_positions(traj, (turn for turn in traj.turns if turn.action_is_valid), piece)
 
 
 def move_names(formats: Mapping[str, Sequence[str]]) -> tuple[str, ...]:

@@ -17,18 +17,11 @@ map would otherwise be pushed off the walls and into the holes). Only the groups
 from __future__ import annotations
 
 from rollstream.consumer.data.batch_stats import no_effect_moves
-from rollstream.consumer.learn.format_unlikelihood import Piece, reply_tokens
-from rollstream.shared.envs.text import answer_token
+from rollstream.consumer.learn.format_unlikelihood import Piece, action_positions
 from rollstream.shared.schema import Trajectory
 
 
 def no_effect_move_positions(traj: Trajectory, piece: Piece) -> list[int]:
     """The index in `traj.input_ids` of the token at which each valid move that changed nothing chose its action
     (`batch_stats.no_effect_moves`: the env showed the same state after it; an episode's last move is left out)."""
-    positions = []
-    for turn in no_effect_moves(traj):
-        generated, pieces = reply_tokens(traj, turn, piece)
-        at = answer_token(pieces)
-        if at is not None:
-            positions.append(generated[at])
-    return positions
+    return action_positions(traj, no_effect_moves(traj), piece)

@@ -236,14 +236,13 @@ class PolicyLearner:
         groups = [g.trajectories for g in batch.groups]
         trajs = [t for group in groups for t in group]
         advantages = compute_advantages(groups, self.advantages)
-        breaks = self.blamed_tokens(trajs, self.settings.format_unlikelihood_coef,
+        breaks = self.marked_tokens(trajs, self.settings.format_unlikelihood_coef > 0,
                                     lambda t: break_positions(t, self.piece, self.reply_formats[t.tag]))
-        fatal = self.blamed_tokens(trajs, self.settings.fatal_move_unlikelihood_coef,
+        fatal = self.marked_tokens(trajs, self.settings.fatal_move_unlikelihood_coef > 0,
                                    lambda t: fatal_move_positions(t, self.piece))
-        no_effect = self.blamed_tokens(trajs, self.settings.no_effect_unlikelihood_coef,
+        no_effect = self.marked_tokens(trajs, self.settings.no_effect_unlikelihood_coef > 0,
                                        lambda t: no_effect_move_positions(t, self.piece))
-        moves = ([move_positions(t, self.piece) if t.tag in self.reply_formats else [] for t in trajs]
-                 if self.settings.entropy_among_moves else None)
+        moves = self.marked_tokens(trajs, self.settings.entropy_among_moves, lambda t: move_positions(t, self.piece))
         tokens = build_token_batch(trajs, advantages, whiten=self.cfg.whiten_advantages, clip=self.cfg.adv_clip,
                                    breaks=breaks, fatal=fatal, no_effect=no_effect, moves=moves)
         check_trainable(tokens, batch.step)
@@ -267,11 +266,11 @@ class PolicyLearner:
         self.steps_done += 1
         return metrics
 
-    def blamed_tokens(self, trajs: list[Trajectory], coef: float,
+    def marked_tokens(self, trajs: list[Trajectory], on: bool,
                       find: Callable[[Trajectory], list[int]]) -> list[list[int]] | None:
-        """Each trajectory's token indices that an unlikelihood term with `coef` blames (`find`; none for a tag
-        whose replies are not in the built-in format); None when the term is off."""
-        if coef <= 0:
+        """Each trajectory's token indices that a term marks (`find`; none for a tag whose replies are not in the
+        built-in format); None when the term is off."""
+        if not on:
             return None
         return [find(t) if t.tag in self.reply_formats else [] for t in trajs]
 
