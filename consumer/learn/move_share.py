@@ -105,11 +105,6 @@ def takes_move_share(cfg: RollstreamConfig) -> bool:
                                                   or cfg.no_effect_unlikelihood_coef > 0)
 
 
-def entropy_among_moves(cfg: RollstreamConfig) -> bool:
-    """The loss has an entropy bonus (fixed or adaptive), and takes it over the moves' shares."""
-    return cfg.entropy_among_moves and (cfg.entropy_loss_coef > 0 or cfg.entropy_target is not None)
-
-
 def move_positions(traj: Trajectory, piece: Piece) -> list[int]:
     """The index in `traj.input_ids` of the token at which each valid reply chose its action."""
     return action_positions(traj, (turn for turn in traj.turns if turn.action_is_valid), piece)

@@ -77,7 +77,6 @@ from rollstream.consumer.learn.loss import (
 )
 from rollstream.consumer.learn.move_share import (
     MoveTokens,
-    entropy_among_moves,
     move_entropy,
     move_names,
     move_positions,
@@ -189,7 +188,8 @@ class UpdateSettings:
         args = cfg.actor_train.training_args
         low, high = cfg.pg_clip_range
         words = tuple(cfg.actor_infer.generating_args.bad_words)
-        blames, entropy = takes_move_share(cfg), entropy_among_moves(cfg)
+        # entropy_among_moves comes with an entropy bonus: the config check refuses it without one
+        blames, entropy = takes_move_share(cfg), cfg.entropy_among_moves
         names = move_names(reply_formats(cfg.custom_envs)) if blames or entropy else ()
         if (blames or entropy) and not names:
             raise ValueError("move_unlikelihood_among_moves or entropy_among_moves: no env of custom_envs replies in "
