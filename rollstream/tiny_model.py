@@ -86,9 +86,11 @@ def env_texts(envs: Sequence[TextEnv], episodes: int, seed: int = 0) -> Iterator
                 done, turn = terminated or truncated, turn + 1
 
 
-def train_tokenizer(texts: Iterator[str], vocab_size: int, *, cell_wise: bool = False) -> PreTrainedTokenizerFast:
+def train_tokenizer(texts: Iterator[str], vocab_size: int, *, cell_wise: bool = False,
+                    whole_words: Sequence[str] = ()) -> PreTrainedTokenizerFast:
     """A byte-level BPE with ChatML special tokens, the reply tags as single tokens and the chat template;
-    `cell_wise`: merging only lowercase letters (see `_cell_wise`; a diagnostic, not the main job's)."""
+    `cell_wise`: merging only lowercase letters (see `_cell_wise`; a diagnostic, not the main job's);
+    `whole_words`: words that are always one token each (`tiny_model.action_tokens`)."""
     bpe = Tokenizer(models.BPE())
     # Qwen2's own normalizer and pre-tokenizer: transformers rebuilds them for any model_type "qwen2" directory,
     # so training with anything else would make the saved tokenizer split text differently once loaded.
@@ -111,6 +113,7 @@ def train_tokenizer(texts: Iterator[str], vocab_size: int, *, cell_wise: bool = 
     if cell_wise:
         bpe = _cell_wise(bpe)
     bpe.add_tokens([AddedToken(tag, normalized=False) for tag in REPLY_TAGS])
+    bpe.add_tokens([AddedToken(word, normalized=False) for word in whole_words])
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=bpe, eos_token=IM_END, pad_token=PAD_TOKEN, unk_token=None, bos_token=None
     )
@@ -191,11 +194,15 @@ def build_tiny_model(
     max_position_embeddings: int = 4096,
     corpus_episodes: int = 200,
     seed: int = 0,
+    action_tokens: bool = False,
 ) -> Path:
-    """Train the tokenizer on env text, random-init a Qwen2 model, save both to `out_dir`; returns the path."""
+    """Train the tokenizer on env text, random-init a Qwen2 model, save both to `out_dir`; returns the path.
+    `action_tokens`: every corpus env's action names are one token each (`TinyModelConfig.action_tokens`)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = train_tokenizer(env_texts(corpus_envs(), corpus_episodes, seed), vocab_size)
+    envs = corpus_envs()
+    actions = sorted({name for env in envs for name in env.action_names}) if action_tokens else []
+    tokenizer = train_tokenizer(env_texts(envs, corpus_episodes, seed), vocab_size, whole_words=actions)
     config = tiny_config(
         tokenizer,
         tie_word_embeddings=tie_word_embeddings,
@@ -366,7 +373,7 @@ def main_tiny_model(out: str, settings: TinyModelConfig, *, seed: int = 0, threa
     with a large `sft_seconds`, for a build that is the same everywhere)."""
     transformers_logging.disable_progress_bar()  # the build's own bar is the one to watch, not a bar per save
     path = build_tiny_model(out, tie_word_embeddings=settings.tie_word_embeddings, hidden_size=settings.hidden_size,
-                            layers=settings.layers, seed=seed)
+                            layers=settings.layers, seed=seed, action_tokens=settings.action_tokens)
     stats = sft_format_warm_start(path, settings.sft_steps, max_seconds=settings.sft_seconds, threads=threads,
                                   think_prob=settings.think_prob, on_prompts=settings.sft_on_prompts, seed=seed)
     stats["valid_rate"] = format_valid_rate(path, eval_prompts)

@@ -340,6 +340,10 @@ class TinyModelConfig:
     """The warm start's loss also scores the prompts (the env's text: rules, boards after each random move), as
     a second mean beside the replies': a stand-in for the text a pretrained model has read, so the model has
     learnt to read a board before RL starts. The replies stay uniformly random valid actions."""
+    action_tokens: bool = False
+    """Every env's action names are one token each. Without it the tokenizer spells some in two (`R` `ight`), and
+    the position after the first piece, which the policy writes with near certainty, took the moves' mass in a
+    large update (`<answer>RDown`): the format wobbles of docs/learning.md."""
 
 
 @dataclass(config=SCHEMA)

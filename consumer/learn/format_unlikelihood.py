@@ -68,14 +68,23 @@ def action_positions(traj: Trajectory, turns: Iterable[Turn], piece: Piece) -> l
     return positions
 
 
-def break_positions(traj: Trajectory, piece: Piece, action_names: Sequence[str]) -> list[int]:
-    """The index in `traj.input_ids` of the token at which each reply that did not parse left the format."""
+def spells_moves_whole(tokenizer: Any, formats: Mapping[str, Sequence[str]]) -> dict[str, bool]:
+    """Per env tag of `formats` (`reply_formats`): whether `tokenizer` spells each of its action names in one token
+    (`format_break`'s `whole_moves`)."""
+    return {tag: all(len(tokenizer.encode(name, add_special_tokens=False)) == 1 for name in names)
+            for tag, names in formats.items()}
+
+
+def break_positions(traj: Trajectory, piece: Piece, action_names: Sequence[str], *,
+                    whole_moves: bool = False) -> list[int]:
+    """The index in `traj.input_ids` of the token at which each reply that did not parse left the format
+    (`whole_moves`: as `text.format_break` reads it for a tokenizer that spells every move in one token)."""
     positions = []
     for turn in traj.turns:
         if turn.action_is_valid:
             continue
         generated, pieces = reply_tokens(traj, turn, piece)
-        at = format_break(pieces, action_names)
+        at = format_break(pieces, action_names, whole_moves=whole_moves)
         if at is not None:
             positions.append(generated[at])
     return positions

@@ -55,6 +55,7 @@ from rollstream.consumer.learn.format_unlikelihood import (
     Piece,
     break_positions,
     reply_formats,
+    spells_moves_whole,
     tokenizer_piece,
     unlikelihood,
 )
@@ -228,6 +229,8 @@ class PolicyLearner:
         reply broke the format and where a move (fatal, one that changed nothing, any valid one) chose its action."""
         self.piece: Piece = tokenizer_piece(self.tokenizer)
         """A token's text; None for a special token (end-of-sequence ends a reply)."""
+        self.whole_moves = spells_moves_whole(self.tokenizer, self.reply_formats)
+        """Per tag: every move is one token, so an answer begun with any other token broke there (`format_break`)."""
         self.steps_done = 0
 
     def train_step(self, batch: Batch) -> dict[str, float]:
@@ -237,7 +240,8 @@ class PolicyLearner:
         trajs = [t for group in groups for t in group]
         advantages = compute_advantages(groups, self.advantages)
         breaks = self.marked_tokens(trajs, self.settings.format_unlikelihood_coef > 0,
-                                    lambda t: break_positions(t, self.piece, self.reply_formats[t.tag]))
+                                    lambda t: break_positions(t, self.piece, self.reply_formats[t.tag],
+                                                              whole_moves=self.whole_moves[t.tag]))
         fatal = self.marked_tokens(trajs, self.settings.fatal_move_unlikelihood_coef > 0,
                                    lambda t: fatal_move_positions(t, self.piece))
         no_effect = self.marked_tokens(trajs, self.settings.no_effect_unlikelihood_coef > 0,

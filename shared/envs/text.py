@@ -56,23 +56,35 @@ def _named_action(answer: str | None, action_names: Sequence[str]) -> str | None
     return None
 
 
-def format_break(pieces: Sequence[str | None], action_names: Sequence[str]) -> int | None:
+def format_break(pieces: Sequence[str | None], action_names: Sequence[str], *, whole_moves: bool = False) -> int | None:
     """Where a reply first left the reply format: the index of the first of its tokens' `pieces` (each token's
     text; None for a token that ends the reply, end-of-sequence) after which no well-formed reply naming one of
     `action_names` begins with what was written. None when there is no such token: the reply is well formed, or it
     was cut off by the token cap while it could still have become one.
 
     `<answer>Down<answer>Down...`: the second `<answer>`; `<answer></answer>`: the `</answer>`; `<answer>Down`
-    then end-of-sequence: the end. With no `action_names` any non-empty answer counts as one."""
+    then end-of-sequence: the end. With no `action_names` any non-empty answer counts as one.
+
+    `whole_moves`: the tokenizer spells each of `action_names` in one token, so a well-formed reply's answer begins
+    with one of those tokens, and an answer begun with any other (`L` then `Right`) left the format at that token,
+    though its text alone (`L`, the start of `Left`) could still have become a move."""
     prefix = _reply_pattern(tuple(action_names))
+    moves = {name.casefold() for name in action_names} if whole_moves else set()
     text = ""
     for i, piece in enumerate(pieces):
         if piece is None:
             return None if prefix.fullmatch(text) else i
+        word = piece.strip().casefold()
+        if moves and word and word not in moves and _OPENED_ANSWER.fullmatch(text):
+            return i
         text += piece
         if prefix.fullmatch(text, partial=True) is None:
             return i
     return None
+
+
+_OPENED_ANSWER = regex.compile(rf"\s*(?:<think>{_NO_TAG}</think>\s*)?<answer>\s*", regex.DOTALL)
+"""A reply written up to its answer's first character."""
 
 
 @functools.cache

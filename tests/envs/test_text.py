@@ -123,6 +123,27 @@ def test_format_break_is_the_first_token_no_well_formed_reply_starts_with(pieces
     assert format_break(pieces, NAMES) == expected
 
 
+@pytest.mark.parametrize(
+    ("pieces", "expected", "by_text"),
+    [
+        (["<answer>", "L", "Right", "</answer>", END], 1, 2),  # `L` could begin `Left` by its text alone
+        (["<answer>", "R", "Down", "</answer>", END], 1, 2),
+        (["<answer>", " ", "R", "ight", "</answer>", END], 2, None),  # Right spelled in two tokens: it parses
+        (["<think>", "go", "</think>", "<answer>", "Le", "ft"], 4, None),
+        (["<answer>", " Right", "</answer>", END], None, None),
+        (["<answer>", "right", "</answer>", END], None, None),
+        (["<answer>", "Down", "<answer>"], 2, 2),  # after the answer's first token, the text rule as before
+        (["<answer>", "</answer>", END], 1, 1),
+        (["<answer>", "Down", END], 2, 2),
+    ],
+)
+def test_with_whole_moves_an_answer_breaks_at_a_first_token_that_is_no_move(
+        pieces: list[str | None], expected: int | None, by_text: int | None) -> None:
+    """A tokenizer that spells every move in one token: the answer's first token is a move or the break."""
+    assert format_break(pieces, NAMES, whole_moves=True) == expected
+    assert format_break(pieces, NAMES) == by_text
+
+
 def test_format_break_without_action_names_takes_any_non_empty_answer() -> None:
     assert format_break(["<answer>", "Jump", "</answer>", END], ()) is None
     assert format_break(["<answer>", " ", "</answer>"], ()) == 2

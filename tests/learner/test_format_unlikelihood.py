@@ -9,13 +9,20 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
-from rollstream.consumer.learn.format_unlikelihood import break_positions, reply_formats, tokenizer_piece, unlikelihood
+from rollstream.consumer.learn.format_unlikelihood import (
+    break_positions,
+    reply_formats,
+    spells_moves_whole,
+    tokenizer_piece,
+    unlikelihood,
+)
 from rollstream.consumer.learn.learner import make_learner
 from rollstream.consumer.learn.loss import response_positions
 from rollstream.consumer.learn.policy_learner import PolicyLearner
 from rollstream.consumer.learn.tensors import build_token_batch
 from rollstream.shared.config import RollstreamConfig
 from rollstream.shared.schema import Trajectory
+from rollstream.tiny_model import build_tiny_model
 
 from .helpers import learner_config, make_batch, make_trajectory
 
@@ -48,6 +55,23 @@ def test_the_break_is_found_in_the_replys_own_tokens(tiny_model: Path) -> None:
     assert broke_at("<answer>Do", end=False) == []  # cut off by the token cap: nothing to blame
     assert broke_at("<answer>Down</answer>", parsed=True) == []
     assert reply_formats(RollstreamConfig().custom_envs)["FrozenLake"] == NAMES
+
+
+def test_with_every_move_one_token_an_answer_breaks_at_its_first_token(tiny_model: Path, tmp_path: Path) -> None:
+    """`tiny_model.action_tokens`: `<answer>` `L` `Right` broke at the `L`, where the tokenizer that spells
+    `Right` as `R` `ight` reads the break at the `R` after it (the `L` could still have begun `Left`)."""
+    formats = reply_formats(RollstreamConfig().custom_envs)
+    split = AutoTokenizer.from_pretrained(tiny_model)
+    whole = AutoTokenizer.from_pretrained(build_tiny_model(tmp_path, tie_word_embeddings=True, corpus_episodes=20,
+                                                           action_tokens=True))
+    assert spells_moves_whole(split, formats)["FrozenLake"] is False
+    assert spells_moves_whole(whole, formats)["FrozenLake"] is True
+
+    for tokenizer, expected in ((split, "R"), (whole, "L")):
+        piece = tokenizer_piece(tokenizer)
+        traj = reply_trajectory(tokenizer, 0, "<answer>LRight</answer>", parsed=False)
+        at = break_positions(traj, piece, NAMES, whole_moves=spells_moves_whole(tokenizer, formats)["FrozenLake"])
+        assert [piece(int(traj.input_ids[k])) for k in at] == [expected]
 
 
 def test_its_gradient_moves_a_token_the_policy_is_sure_of() -> None:

@@ -16,6 +16,7 @@ from rollstream.producer.policy.conversation import ChatTemplateDeltas
 from rollstream.shared.config import TinyModelConfig
 from rollstream.tiny_model import (
     REPLY_TAGS,
+    build_tiny_model,
     corpus_envs,
     describe,
     env_texts,
@@ -55,6 +56,25 @@ def test_a_cell_wise_tokenizer_keeps_every_grid_cell_one_token(tmp_path: Path) -
     assert loaded.decode(loaded.encode(TEXT, add_special_tokens=False)) == TEXT
     for tag in REPLY_TAGS:
         assert len(loaded.encode(tag, add_special_tokens=False)) == 1, tag
+
+
+def test_action_tokens_spell_every_move_in_one_token(tmp_path: Path) -> None:
+    """`tiny_model.action_tokens`: a reply's move is one token (without it, `Right` is `R` `ight`), in a reply and
+    in the rules, and the tokenizer still loads as trained and writes any text."""
+    actions = sorted({name for env in corpus_envs() for name in env.action_names})
+    plain = train_tokenizer(env_texts(corpus_envs(), 20, seed=0), 1024)
+    assert any(len(plain.encode(name, add_special_tokens=False)) > 1 for name in actions)  # what the key mends
+
+    build_tiny_model(tmp_path, tie_word_embeddings=False, corpus_episodes=20, action_tokens=True)
+    loaded = AutoTokenizer.from_pretrained(tmp_path)
+    trained = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    assert loaded.encode(TEXT, add_special_tokens=False) == trained.encode(TEXT).ids
+    assert loaded.decode(loaded.encode(TEXT, add_special_tokens=False)) == TEXT
+    for name in actions:
+        reply = loaded.convert_ids_to_tokens(loaded.encode(f"<answer>{name}</answer>", add_special_tokens=False))
+        assert reply == ["<answer>", name, "</answer>"]
+        assert name in loaded.convert_ids_to_tokens(loaded.encode(f"Actions: {name}.", add_special_tokens=False))
+    assert AutoConfig.from_pretrained(tmp_path).vocab_size == len(loaded)
 
 
 def test_the_configs_fit_vllm_cpu(tied_model: TinyVersions, untied_model: TinyVersions) -> None:
