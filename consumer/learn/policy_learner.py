@@ -223,7 +223,7 @@ class PolicyLearner:
         self.reference = load_reference(cfg, strategy.device) if needs_reference(cfg) else None
         self.entropy_control = EntropyControl.from_config(cfg)
         blames = (cfg.format_unlikelihood_coef, cfg.fatal_move_unlikelihood_coef, cfg.no_effect_unlikelihood_coef)
-        finds = any(c > 0 for c in blames) or self.settings.entropy_among_moves
+        finds = any(c > 0 for c in blames) or self.settings.entropy_among_moves or cfg.format_break_ends_advantage
         self.reply_formats = reply_formats(cfg.custom_envs) if finds else {}
         """Action names by env tag (the tags whose replies use the built-in format), for finding where an unparsed
         reply broke the format and where a move (fatal, one that changed nothing, any valid one) chose its action."""
@@ -239,7 +239,8 @@ class PolicyLearner:
         groups = [g.trajectories for g in batch.groups]
         trajs = [t for group in groups for t in group]
         advantages = compute_advantages(groups, self.advantages)
-        breaks = self.marked_tokens(trajs, self.settings.format_unlikelihood_coef > 0,
+        breaks = self.marked_tokens(trajs, self.settings.format_unlikelihood_coef > 0 or
+                                    self.cfg.format_break_ends_advantage,
                                     lambda t: break_positions(t, self.piece, self.reply_formats[t.tag],
                                                               whole_moves=self.whole_moves[t.tag]))
         fatal = self.marked_tokens(trajs, self.settings.fatal_move_unlikelihood_coef > 0,
@@ -248,7 +249,8 @@ class PolicyLearner:
                                        lambda t: no_effect_move_positions(t, self.piece))
         moves = self.marked_tokens(trajs, self.settings.entropy_among_moves, lambda t: move_positions(t, self.piece))
         tokens = build_token_batch(trajs, advantages, whiten=self.cfg.whiten_advantages, clip=self.cfg.adv_clip,
-                                   breaks=breaks, fatal=fatal, no_effect=no_effect, moves=moves)
+                                   breaks=breaks, fatal=fatal, no_effect=no_effect, moves=moves,
+                                   advantage_ends_at_breaks=self.cfg.format_break_ends_advantage)
         check_trainable(tokens, batch.step)
         metrics = advantage_stats(tokens)
         metrics["actor/zero_adv_rows"] = float(tokens.num_rows - int(rows_with_gradient(tokens).sum()))

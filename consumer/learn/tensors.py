@@ -106,11 +106,13 @@ def build_token_batch(
     fatal: Sequence[Sequence[int]] | None = None,
     no_effect: Sequence[Sequence[int]] | None = None,
     moves: Sequence[Sequence[int]] | None = None,
+    advantage_ends_at_breaks: bool = False,
 ) -> TokenBatch:
     """Pad the trajectories into one TokenBatch with per-token advantages (whitened/clipped over response tokens);
-    `breaks`: each trajectory's format-breaking token indices, for `break_mask`; `fatal`: its fatal move's action
-    token index, for `fatal_mask`; `no_effect`: its moves' that changed nothing, for `no_effect_mask`; `moves`: every
-    valid reply's, for `move_mask`."""
+    `breaks`: each trajectory's format-breaking token indices, for `break_mask`, and with `advantage_ends_at_breaks`
+    each reply's tokens from its break to its end get no advantage; `fatal`: its fatal move's action token index,
+    for `fatal_mask`; `no_effect`: its moves' that changed nothing, for `no_effect_mask`; `moves`: every valid
+    reply's, for `move_mask`."""
     if len(trajs) != len(advantages):
         raise ValueError(f"{len(advantages)} advantages for {len(trajs)} trajectories")
     for name, marks in (("format breaks", breaks), ("fatal moves", fatal), ("no-effect moves", no_effect),
@@ -129,6 +131,7 @@ def build_token_batch(
     behaviour = np.zeros((rows, width), np.float32)
     token_adv = np.zeros((rows, width), np.float64)
     unparsed = np.zeros((rows, width), np.float32)
+    silenced = np.zeros((rows, width), bool)
     for i, (traj, adv) in enumerate(zip(trajs, advantages)):
         n = traj.num_tokens
         input_ids[i, :n] = torch.from_numpy(traj.input_ids.astype(np.int64))
@@ -140,12 +143,15 @@ def build_token_batch(
             if not turn.action_is_valid:
                 start, end = turn.response_span
                 unparsed[i, start:end] = traj.response_mask[start:end]
+        if advantage_ends_at_breaks and breaks is not None:
+            for at in breaks[i]:
+                silenced[i, at:reply_end(traj, at)] = True
     # Shift to targets: the first token of a trajectory has no logits predicting it.
     response, behaviour, token_adv = response[:, 1:], behaviour[:, 1:], token_adv[:, 1:]
-    unparsed = unparsed[:, 1:]
+    unparsed, silenced = unparsed[:, 1:], silenced[:, 1:]
     on = response > 0
     token_adv[on] = finalize(token_adv[on], whiten_values=whiten, clip=clip)
-    token_adv[~on] = 0.0
+    token_adv[~on | silenced] = 0.0
     return TokenBatch(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -158,6 +164,15 @@ def build_token_batch(
         no_effect_mask=target_marks(no_effect, width),
         move_mask=target_marks(moves, width),
     )
+
+
+def reply_end(traj: Trajectory, at: int) -> int:
+    """The end of the reply (its `response_span`) that holds token index `at`."""
+    for turn in traj.turns:
+        start, end = turn.response_span
+        if start <= at < end:
+            return end
+    raise ValueError(f"{traj.traj_id}: token {at} is in no reply")
 
 
 def target_marks(marks: Sequence[Sequence[int]] | None, width: int) -> torch.Tensor | None:

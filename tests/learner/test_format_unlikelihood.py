@@ -130,3 +130,21 @@ def test_a_broken_reply_with_no_advantage_is_trained_and_its_breaking_token_fall
     assert break_logprob(away) < before - 0.5
     for learner in learners:
         learner.close()
+
+
+def test_with_the_advantage_ended_at_the_break_a_reply_broken_from_its_first_token_is_not_trained(
+        tmp_path: Path, tiny_model: Path) -> None:
+    """`format_break_ends_advantage`: a group whose replies all broke at their first token, one of them in a won
+    episode, carries advantages; with the key every reply token is at or after a break, so the step has no
+    gradient (and no format unlikelihood here to give it one)."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    group = [reply_trajectory(tokenizer, m, "Jump", parsed=False) for m in range(4)]
+    group[0].turns[0] = dataclasses.replace(group[0].turns[0], reward=1.0)
+    group[0] = dataclasses.replace(group[0], score=1.0, success=True)
+    for ends, expect_gradient in ((False, True), (True, False)):
+        learner = make_learner(learner_config(tmp_path / str(ends), tiny_model, "torch_train",
+                                              f"format_break_ends_advantage={str(ends).lower()}"))
+        stats = learner.train_step(make_batch([group]))
+        assert (stats["adv/max"] > 0) is expect_gradient  # the advantages trained, after the key's cut
+        assert (stats["actor/grad_norm"] > 0) is expect_gradient
+        learner.close()

@@ -58,6 +58,23 @@ def test_the_tokens_of_an_unparsed_reply_are_marked() -> None:
     np.testing.assert_array_equal(tb.rows([0]).unparsed_mask, tb.unparsed_mask[:1])
 
 
+def test_the_advantage_ends_at_a_replys_format_break() -> None:
+    """`format_break_ends_advantage`: the first reply (tokens 2-3) broke at token 3: tokens 3 to the reply's end
+    lose their advantage, the token before the break and the other reply keep theirs, and the break stays marked."""
+    t = two_turns()
+    t.turns[0] = dataclasses.replace(t.turns[0], action_is_valid=False)
+    advantages = [np.array([1.0, -1.0])]
+    kept = build_token_batch([t], advantages, breaks=[[3]])
+    ended = build_token_batch([t], advantages, breaks=[[3]], advantage_ends_at_breaks=True)
+    np.testing.assert_allclose(kept.advantages[0], [0, 1, 1, 0, -1, -1])
+    np.testing.assert_allclose(ended.advantages[0], [0, 1, 0, 0, -1, -1])  # target 2 is token 3
+    assert ended.break_mask is not None
+    np.testing.assert_array_equal(ended.break_mask[0], [0, 0, 1, 0, 0, 0])
+    longer = make_trajectory(0, 1, [10, 11, 12, 13, 14, 15], [(2, 6)], {k: -0.1 for k in range(2, 6)}, [("a", 1.0)])
+    ended = build_token_batch([longer], [2.0], breaks=[[3]], advantage_ends_at_breaks=True)
+    np.testing.assert_allclose(ended.advantages[0], [0, 2, 0, 0, 0])  # tokens 3, 4, 5: from the break on
+
+
 def test_whitening_and_clipping_apply_to_response_tokens_only() -> None:
     long, short = two_turns(), make_trajectory(0, 1, [20, 21, 22], [(2, 3)], {2: -1.0}, [("a", 0.0)])
     tb = build_token_batch([long, short], [5.0, -5.0], whiten=True, clip=1.5)
