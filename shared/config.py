@@ -341,9 +341,10 @@ class TinyModelConfig:
     a second mean beside the replies': a stand-in for the text a pretrained model has read, so the model has
     learnt to read a board before RL starts. The replies stay uniformly random valid actions."""
     action_tokens: bool = False
-    """Every env's action names are one token each. Without it the tokenizer spells some in two (`R` `ight`), and
-    the position after the first piece, which the policy writes with near certainty, took the moves' mass in a
-    large update (`<answer>RDown`): the format wobbles of docs/learning.md."""
+    """Every env's action names are one token each. Without it the tokenizer spells `Right` in two (`R` `ight`), so
+    a reply chooses that move at one token and must complete it at the next, a format position; with it an unparsed
+    answer that began with any other token broke there (`text.format_break`). One run on machine 41, slower to
+    start: not the main job's (docs/learning.md)."""
 
 
 @dataclass(config=SCHEMA)

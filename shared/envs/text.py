@@ -19,6 +19,8 @@ _REPLY = re.compile(
     rf"\s*(?:<think>{_NO_TAG}</think>\s*)?<answer>({_NO_TAG})</answer>\s*",
     re.DOTALL,
 )
+_OPENED_ANSWER = regex.compile(rf"\s*(?:<think>{_NO_TAG}</think>\s*)?<answer>\s*", regex.DOTALL)
+"""A reply written up to its answer's first character."""
 
 
 def compile_action_pattern(pattern: str | None) -> re.Pattern[str] | None:
@@ -81,10 +83,6 @@ def format_break(pieces: Sequence[str | None], action_names: Sequence[str], *, w
         if prefix.fullmatch(text, partial=True) is None:
             return i
     return None
-
-
-_OPENED_ANSWER = regex.compile(rf"\s*(?:<think>{_NO_TAG}</think>\s*)?<answer>\s*", regex.DOTALL)
-"""A reply written up to its answer's first character."""
 
 
 @functools.cache
