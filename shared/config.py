@@ -452,11 +452,11 @@ class RollstreamConfig:
     penalty's is scaled by 1 - p and all but vanishes on a token the policy is sure of; the mass it takes goes to the
     other tokens in proportion to the policy's own distribution there, not to the warm start's. 0: off."""
     format_break_ends_advantage: bool = False
-    """An unparsed reply's tokens from the one that broke its format to the reply's end carry no advantage: the
-    episode's outcome says nothing of them, and in a won episode the policy gradient pushed them up (`</think>`
-    written five times over, from p ~0 to 0.1 at the reply's first token in one update), in a lost one it pushed
-    down what a well-formed reply needs there (`ight` after `R`: the break after `<answer>R` from 0.008 to 0.29).
-    The breaking token keeps format_unlikelihood_coef's push. Replies in the built-in format only."""
+    """An unparsed reply's tokens from the one that broke its format to the reply's end carry no advantage: the env
+    read no action from them, so the episode's outcome says nothing of them (FrozenLake wins most episodes that hold
+    a broken reply). The two format wobbles traced on machine 41, each one update that raised a breaking token at a
+    format position from p ~0 to 0.1-0.3, trained on batches whose broken replies had an advantage on such tokens
+    (docs/learning.md). The breaking token keeps format_unlikelihood_coef's push. Replies in the built-in format only."""
     fatal_move_unlikelihood_coef: Annotated[float, Field(ge=0.0)] = 0.0
     """Unlikelihood on the move that lost an episode: on every step, -log(1 - p) of the token at which the last
     reply of each episode the env ended without success (FrozenLake: a step into a hole) chose its action, times
