@@ -456,7 +456,8 @@ class RollstreamConfig:
     read no action from them, so the episode's outcome says nothing of them (FrozenLake wins most episodes that hold
     a broken reply). The two format wobbles traced on machine 41, each one update that raised a breaking token at a
     format position from p ~0 to 0.1-0.3, trained on batches whose broken replies had an advantage on such tokens
-    (docs/learning.md). The breaking token keeps format_unlikelihood_coef's push. Replies in the built-in format only."""
+    (docs/learning.md). The breaking token keeps format_unlikelihood_coef's push. Replies in the built-in format
+    only."""
     fatal_move_unlikelihood_coef: Annotated[float, Field(ge=0.0)] = 0.0
     """Unlikelihood on the move that lost an episode: on every step, -log(1 - p) of the token at which the last
     reply of each episode the env ended without success (FrozenLake: a step into a hole) chose its action, times
