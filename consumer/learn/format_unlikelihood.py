@@ -59,13 +59,7 @@ def reply_tokens(traj: Trajectory, turn: Turn, piece: Piece) -> tuple[list[int],
 def action_positions(traj: Trajectory, turns: Iterable[Turn], piece: Piece) -> list[int]:
     """The index in `traj.input_ids` of the token at which each of `turns`' replies chose its action; a reply whose
     tokens do not spell a well-formed reply has none (`text.answer_token`)."""
-    positions = []
-    for turn in turns:
-        generated, pieces = reply_tokens(traj, turn, piece)
-        at = answer_token(pieces)
-        if at is not None:
-            positions.append(generated[at])
-    return positions
+    return reply_positions(traj, turns, piece, answer_token)
 
 
 def spells_moves_whole(tokenizer: Any, formats: Mapping[str, Sequence[str]]) -> dict[str, bool]:
@@ -79,12 +73,19 @@ def break_positions(traj: Trajectory, piece: Piece, action_names: Sequence[str],
                     whole_moves: bool = False) -> list[int]:
     """The index in `traj.input_ids` of the token at which each reply that did not parse left the format
     (`whole_moves`: as `text.format_break` reads it for a tokenizer that spells every move in one token)."""
+    unparsed = (turn for turn in traj.turns if not turn.action_is_valid)
+    return reply_positions(traj, unparsed, piece,
+                           lambda pieces: format_break(pieces, action_names, whole_moves=whole_moves))
+
+
+def reply_positions(traj: Trajectory, turns: Iterable[Turn], piece: Piece,
+                    find: Callable[[list[str | None]], int | None]) -> list[int]:
+    """The index in `traj.input_ids` of the token `find` picks among each of `turns`' reply tokens (their texts;
+    None: that reply has none)."""
     positions = []
-    for turn in traj.turns:
-        if turn.action_is_valid:
-            continue
+    for turn in turns:
         generated, pieces = reply_tokens(traj, turn, piece)
-        at = format_break(pieces, action_names, whole_moves=whole_moves)
+        at = find(pieces)
         if at is not None:
             positions.append(generated[at])
     return positions

@@ -222,8 +222,10 @@ class PolicyLearner:
         """Shuffles mini-batches; its state is part of a checkpoint."""
         self.reference = load_reference(cfg, strategy.device) if needs_reference(cfg) else None
         self.entropy_control = EntropyControl.from_config(cfg)
-        blames = (cfg.format_unlikelihood_coef, cfg.fatal_move_unlikelihood_coef, cfg.no_effect_unlikelihood_coef)
-        finds = any(c > 0 for c in blames) or self.settings.entropy_among_moves or cfg.format_break_ends_advantage
+        self.finds_breaks = cfg.format_unlikelihood_coef > 0 or cfg.format_break_ends_advantage
+        """The format term blames the breaks, or the advantage ends at them."""
+        finds = (self.finds_breaks or cfg.fatal_move_unlikelihood_coef > 0 or cfg.no_effect_unlikelihood_coef > 0
+                 or self.settings.entropy_among_moves)
         self.reply_formats = reply_formats(cfg.custom_envs) if finds else {}
         """Action names by env tag (the tags whose replies use the built-in format), for finding where an unparsed
         reply broke the format and where a move (fatal, one that changed nothing, any valid one) chose its action."""
@@ -239,8 +241,7 @@ class PolicyLearner:
         groups = [g.trajectories for g in batch.groups]
         trajs = [t for group in groups for t in group]
         advantages = compute_advantages(groups, self.advantages)
-        breaks = self.marked_tokens(trajs, self.settings.format_unlikelihood_coef > 0 or
-                                    self.cfg.format_break_ends_advantage,
+        breaks = self.marked_tokens(trajs, self.finds_breaks,
                                     lambda t: break_positions(t, self.piece, self.reply_formats[t.tag],
                                                               whole_moves=self.whole_moves[t.tag]))
         fatal = self.marked_tokens(trajs, self.settings.fatal_move_unlikelihood_coef > 0,

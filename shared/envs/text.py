@@ -76,8 +76,7 @@ def format_break(pieces: Sequence[str | None], action_names: Sequence[str], *, w
     for i, piece in enumerate(pieces):
         if piece is None:
             return None if prefix.fullmatch(text) else i
-        word = piece.strip().casefold()
-        if moves and word and word not in moves and _OPENED_ANSWER.fullmatch(text):
+        if moves and (word := piece.strip().casefold()) and word not in moves and _OPENED_ANSWER.fullmatch(text):
             return i
         text += piece
         if prefix.fullmatch(text, partial=True) is None:
