@@ -15,11 +15,13 @@ import regex
 # The think body may hold anything but another think/answer tag, so a reply with two answers
 # (or an answer hidden inside the thought) is rejected instead of silently picking one.
 _NO_TAG = r"(?:(?!</?(?:think|answer)>).)*"
+_OPENING = rf"\s*(?:<think>{_NO_TAG}</think>\s*)?<answer>"
+"""A reply up to its answer: an optional think, then the opening tag."""
 _REPLY = re.compile(
-    rf"\s*(?:<think>{_NO_TAG}</think>\s*)?<answer>({_NO_TAG})</answer>\s*",
+    rf"{_OPENING}({_NO_TAG})</answer>\s*",
     re.DOTALL,
 )
-_OPENED_ANSWER = regex.compile(rf"\s*(?:<think>{_NO_TAG}</think>\s*)?<answer>\s*", regex.DOTALL)
+_OPENED_ANSWER = regex.compile(rf"{_OPENING}\s*", regex.DOTALL)
 """A reply written up to its answer's first character."""
 
 
@@ -90,7 +92,7 @@ def _reply_pattern(action_names: tuple[str, ...]) -> regex.Pattern[str]:
     says whether a text can still be extended into a match."""
     any_answer = rf"{_NO_TAG}(?!</?(?:think|answer)>)\S{_NO_TAG}"
     answer = "|".join(regex.escape(name) for name in action_names) if action_names else any_answer
-    return regex.compile(rf"\s*(?:<think>{_NO_TAG}</think>\s*)?<answer>\s*(?i:{answer})\s*</answer>\s*",
+    return regex.compile(rf"{_OPENING}\s*(?i:{answer})\s*</answer>\s*",
                          regex.DOTALL)
 
 
