@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from rollstream.consumer.learn.checkpoints import strategy_dir
-from rollstream.consumer.learn.policy_learner import PolicyLearner, UpdateSettings, plan_update, run_shard
+from rollstream.consumer.learn.policy_learner import Adjust, PolicyLearner, UpdateSettings, plan_update, run_shard
 from rollstream.consumer.learn.rank_watch import Heartbeat, RankLost, RankWatch
 from rollstream.consumer.learn.strategy import launched_world_size, make_strategy
 from rollstream.consumer.learn.tensors import TokenBatch
@@ -91,7 +91,9 @@ class LeaderLearner(PolicyLearner):
             self.watch.check(e)
             raise
 
-    def update(self, tokens: TokenBatch, settings: UpdateSettings) -> dict[str, float]:
+    def update(self, tokens: TokenBatch, settings: UpdateSettings, adjust: Adjust | None = None) -> dict[str, float]:
+        if adjust is not None:
+            raise ValueError("an update is taken apart in one process (benchmarks/replay_update.py), not over ranks")
         shards = plan_update(tokens, settings, self.generator, self.control.world_size)
         with self._with_followers():
             # The settings travel with each shard: the adaptive entropy bonus changes them step by step.

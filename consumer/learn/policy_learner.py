@@ -96,6 +96,8 @@ from rollstream.shared.schema import Trajectory
 log = logging.getLogger(__name__)
 
 OLD_LOGPROB_SOURCES = choices(OldLogprobs)
+Adjust = Callable[["UpdateSettings"], "UpdateSettings"]
+"""A change to a step's settings, for its loss only (`PolicyLearner.train_step`)."""
 Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 """(input_ids, attention_mask, positions) -> logits; see `TrainStrategy.forward`."""
 
@@ -148,6 +150,9 @@ class UpdateSettings:
     entropy_among_moves: bool = False
     """The entropy bonus is the entropy of the moves' shares at each valid reply's action token
     (`entropy_among_moves`); False: the token entropy of every response position."""
+    policy_loss_coef: float = 1.0
+    """Coefficient of the PPO policy loss: 1 in training; 0 takes the policy gradient out of an update taken apart
+    (`benchmarks/replay_update.py`)."""
 
     @property
     def has_kl_term(self) -> bool:
@@ -235,8 +240,10 @@ class PolicyLearner:
         """Per tag: every move is one token, so an answer begun with any other token broke there (`format_break`)."""
         self.steps_done = 0
 
-    def train_step(self, batch: Batch) -> dict[str, float]:
-        """Advantages, token tensors, PPO update; returns metrics namespaced loss/, actor/, adv/, time/."""
+    def train_step(self, batch: Batch, adjust: Adjust | None = None) -> dict[str, float]:
+        """Advantages, token tensors, PPO update; returns metrics namespaced loss/, actor/, adv/, time/. `adjust`
+        changes the step's settings for its loss only, the mini-batches staying as the step's own settings plan
+        them (a term taken out of an update, `benchmarks/replay_update.py`)."""
         start = time.monotonic()
         groups = [g.trajectories for g in batch.groups]
         trajs = [t for group in groups for t in group]
@@ -262,7 +269,7 @@ class PolicyLearner:
                            fatal_move_unlikelihood_coef=success_scaled_coef(self.cfg.fatal_move_unlikelihood_coef,
                                                                             trajs),
                            no_effect_unlikelihood_coef=success_scaled_coef(self.cfg.no_effect_unlikelihood_coef, trajs))
-        metrics |= self.update(tokens, settings)
+        metrics |= self.update(tokens, settings, adjust)
         metrics["actor/entropy_coef"] = settings.entropy_coef
         if fatal is not None:
             metrics["actor/fatal_move_coef"] = settings.fatal_move_unlikelihood_coef
@@ -281,10 +288,10 @@ class PolicyLearner:
             return None
         return [find(t) if t.tag in self.reply_formats else [] for t in trajs]
 
-    def update(self, tokens: TokenBatch, settings: UpdateSettings) -> dict[str, float]:
+    def update(self, tokens: TokenBatch, settings: UpdateSettings, adjust: Adjust | None = None) -> dict[str, float]:
         """The PPO update on the whole batch with this step's settings (a multi-rank leader splits it over the
         ranks instead)."""
-        return ppo_update(self.strategy, tokens, settings, self.generator, self.reference)
+        return ppo_update(self.strategy, tokens, settings, self.generator, self.reference, adjust)
 
     def publish(self, version: int, suffix: str = "") -> WeightsAnnouncement:
         """Write `version` as a HF safetensors directory <output_dir>/weights/v<version><suffix>, atomically."""
@@ -439,7 +446,7 @@ def microbatch_loss(forward: Forward, part: TokenBatch, settings: UpdateSettings
     pg = ppo_policy_loss(logprobs, old, part.advantages, clip_eps=settings.clip_eps,
                          clip_eps_high=settings.clip_eps_high, ratio_cap=settings.ratio_cap,
                          weights=weights)
-    loss = masked_sum(pg.loss, mask) / normalizer
+    loss = settings.policy_loss_coef * masked_sum(pg.loss, mask) / normalizer
     sums = {"pg": masked_sum(pg.loss, mask).detach(), "clip": masked_sum(pg.clipped, mask),
             "truncated": masked_sum(pg.truncated, mask), "ratio": masked_sum(pg.ratio, mask),
             "approx_kl": masked_sum(approx_kl(logprobs.detach(), old), mask)}
@@ -612,10 +619,11 @@ def minibatch_kl(kl_sum: float, tokens: float, device: torch.device) -> float:
 
 
 def ppo_update(strategy: TrainStrategy, tokens: TokenBatch, settings: UpdateSettings, generator: torch.Generator,
-               reference: Forward | None = None) -> dict[str, float]:
-    """PPO epochs over shuffled mini-batches of `tokens`, one optimizer step per mini-batch; returns metrics."""
+               reference: Forward | None = None, adjust: Adjust | None = None) -> dict[str, float]:
+    """PPO epochs over shuffled mini-batches of `tokens`, one optimizer step per mini-batch; returns metrics.
+    `adjust` changes the settings of the loss, not of the plan."""
     shard, = plan_update(tokens, settings, generator, world_size=1)
-    return run_shard(strategy, shard, settings, reference)
+    return run_shard(strategy, shard, adjust(settings) if adjust else settings, reference)
 
 
 def plan_update(tokens: TokenBatch, settings: UpdateSettings, generator: torch.Generator,
