@@ -1,6 +1,6 @@
 """Replay a run's updates from a checkpoint with the batches it recorded, bit for bit, and take one update apart.
 
-    .venv/bin/python benchmarks/replay_update.py RUN_DIR --from 50 --to 86 [--take-apart [--score N]] [--show 12]
+    .venv/bin/python benchmarks/replay_update.py RUN_DIR --from 50 --to 86 [--take-apart [--over N] [--score N]]
 
 RUN_DIR is a run's output dir, run with `record_to` set (`'record_to=${output_dir}/trajectories.msgpack'`): the
 trainer writes every batch it trained on there, in order, `rollout_batch_size` trajectories a step. Starting from
@@ -9,13 +9,14 @@ steps from..to-1 again on those batches with the run's own config (`RUN_DIR/conf
 against every later checkpoint and published version still on disk: on the CPU the replay is exact, so any
 difference is reported as a failed replay, not explained away.
 
-`--take-apart` then trains step `--to` (the update that made version to+1) again under variants, each from the
-same state: as the run made it; without the policy gradient; the policy gradient alone; without each of the other
-terms (entropy bonus, format unlikelihood, fatal and no-effect moves); the move terms over the vocabulary; with
-Adam's first moment zeroed (no momentum carried in) and with every term out (the momentum alone). A variant changes
-the loss only: the mini-batches stay as the step planned them. Each is scored on the replies of the next recorded
-batch (`--score N`: of batch N, e.g. the broken batch a step later, sampled by the version this update made), under
-the weights it leaves:
+`--take-apart` then trains step `--to` (the update that made version to+1) again under variants, each from the same
+state: as the run made it; without the policy gradient; the policy gradient alone; without each of the other terms
+(entropy bonus, format unlikelihood, fatal and no-effect moves); the move terms over the vocabulary; with Adam's
+first moment zeroed (no momentum carried in) and with every term out (the momentum alone). `--over N` takes the N
+steps up to `--to` apart together: the variant on each of them, the momentum zeroed before the first. A variant
+changes the loss only: the mini-batches stay as the step planned them. Each is scored on the replies of the next
+recorded batch (`--score N`: of batch N, e.g. the broken batch a step later, sampled by the version this update
+made), under the weights it leaves:
 - leak: the mass on tokens that begin no move at each valid reply's action token (mean, and its worst context);
 - breaks: p of each break of an unparsed reply at its position (mean, and the largest).
 A format wobble (a batch whose replies leave the format after one update) shows as a leak or break figure that the
@@ -158,9 +159,10 @@ def score(model: torch.nn.Module, probe: Probe, moves: torch.Tensor) -> dict[str
             "break p mean": statistics.fmean(breaks) if breaks else 0.0, "break p max": max(breaks, default=0.0)}
 
 
-def take_apart(learner: PolicyLearner, batch: Batch, probe: Probe,
+def take_apart(learner: PolicyLearner, batches: list[Batch], probe: Probe,
                variants: tuple[Variant, ...] = VARIANTS) -> list[tuple[str, dict[str, float]]]:
-    """Score the weights before the step and after it under each variant, each from the same state."""
+    """Score the weights before `batches`' steps and after them under each variant (on every one of them; the
+    momentum zeroed before the first), each from the same state."""
     model = learner.strategy.model
     moves = MoveTokens.of(learner.piece, model.get_output_embeddings().weight.shape[0],
                           move_names(learner.reply_formats)).ids
@@ -171,7 +173,8 @@ def take_apart(learner: PolicyLearner, batch: Batch, probe: Probe,
         if variant.zero_momentum:
             for moments in learner.strategy.optimizer.state.values():
                 moments["exp_avg"].zero_()
-        learner.train_step(batch, _adjust(variant.settings))
+        for batch in batches:
+            learner.train_step(batch, _adjust(variant.settings))
         rows.append((variant.name, score(model, probe, moves)))
     _restore(learner, state)
     return rows
@@ -198,8 +201,9 @@ def _restore(learner: PolicyLearner, state: dict[str, Any]) -> None:
     learner.steps_done = state["steps"]
 
 
-def print_table(step: int, scored: int, rows: list[tuple[str, dict[str, float]]], probe: Probe) -> None:
-    print(f"\nstep {step} (the update that made v{step + 1}), scored on batch {scored}: "
+def print_table(step: int, over: int, scored: int, rows: list[tuple[str, dict[str, float]]], probe: Probe) -> None:
+    steps = f"step {step}" if over == 1 else f"steps {step - over + 1}-{step}"
+    print(f"\n{steps} (the update{'s' if over > 1 else ''} that made v{step + 1}), scored on batch {scored}: "
           f"{len(probe.actions)} action tokens, {len(probe.breaks)} breaks")
     columns = list(rows[0][1])
     print(f"| variant | {' | '.join(columns)} |\n|---|{'---|' * len(columns)}")
@@ -219,6 +223,8 @@ def main() -> None:
     parser.add_argument("--from", dest="start", type=int, required=True, help="a step with a checkpoint")
     parser.add_argument("--to", type=int, required=True, help="replay up to this step")
     parser.add_argument("--take-apart", action="store_true", help="then take step --to apart")
+    parser.add_argument("--over", type=int, default=1,
+                        help="take apart the last N steps up to --to together (the variant on each)")
     parser.add_argument("--score", type=int, help="score on this recorded batch (default: the one after --to)")
     parser.add_argument("--show", type=int, default=8, help="breaks to print (with --take-apart)")
     args = parser.parse_args()
@@ -229,15 +235,16 @@ def main() -> None:
     learner = make_learner(cfg)
     assert isinstance(learner, PolicyLearner)
     batches = recorded_batches(Path(cfg.record_to), cfg.rollout_batch_size, cfg.train_env_manager.group_size)
+    first = args.to - args.over + 1 if args.take_apart else args.to  # the first step taken apart
     scored = args.to + 1 if args.score is None else args.score
-    if not args.start <= args.to < len(batches) or (args.take_apart and not 0 <= scored < len(batches)):
-        raise SystemExit(f"--from {args.start} --to {args.to} --score {scored}: the record holds steps 0.."
-                         f"{len(batches) - 1}")
-    replay(learner, cfg, batches, args.start, args.to)
+    if not args.start <= first <= args.to < len(batches) or (args.take_apart and not 0 <= scored < len(batches)):
+        raise SystemExit(f"--from {args.start} --to {args.to} --over {args.over} --score {scored}: the record holds "
+                         f"steps 0..{len(batches) - 1}")
+    replay(learner, cfg, batches, args.start, first)
     if args.take_apart:
         probe = Probe.of(learner, batches[scored])
         print_breaks(learner, probe, args.show)
-        print_table(args.to, scored, take_apart(learner, batches[args.to], probe), probe)
+        print_table(args.to, args.over, scored, take_apart(learner, batches[first:args.to + 1], probe), probe)
 
 
 if __name__ == "__main__":

@@ -106,7 +106,7 @@ def test_an_update_taken_apart_names_the_term_that_moved_the_policy(tmp_path: Pa
     assert len(probe.actions) == 4 * 3 + 4 * 2 and not probe.breaks
     before = weights(learner)
     variants = {v.name: v for v in replay_update.VARIANTS}
-    rows = dict(replay_update.take_apart(learner, batch, probe, tuple(
+    rows = dict(replay_update.take_apart(learner, [batch], probe, tuple(
         variants[name] for name in ("as run", "without the no-effect term", "the momentum alone"))))
 
     assert rows["without the no-effect term"] == rows["before the update"]
