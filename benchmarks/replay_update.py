@@ -114,9 +114,11 @@ def saved_weights(cfg: RollstreamConfig, version: int) -> Iterator[tuple[str, di
         yield str(published), load_file(str(published))
 
 
-def replay(learner: PolicyLearner, cfg: RollstreamConfig, batches: list[Batch], start: int, stop: int) -> None:
-    """Train steps start..stop-1 from `start`'s checkpoint, checking every saved version on the way."""
+def replay(learner: PolicyLearner, cfg: RollstreamConfig, batches: list[Batch], start: int, stop: int) -> int:
+    """Train steps start..stop-1 from `start`'s checkpoint, checking every saved version on the way; returns how
+    many were checked."""
     learner.load_checkpoint(checkpoint_dir(cfg, start))
+    checked = 0
     for step in range(start, stop):
         learner.train_step(batches[step])
         for where, state in saved_weights(cfg, step + 1):
@@ -124,6 +126,11 @@ def replay(learner: PolicyLearner, cfg: RollstreamConfig, batches: list[Batch], 
             print(f"step {step}: v{step + 1} against {where}: largest difference {difference:.1e}", flush=True)
             if difference:
                 raise SystemExit(f"the replay of step {step} differs from {where}: not the run's update")
+            checked += 1
+    if not checked and stop > start:
+        print(f"replayed steps {start}..{stop - 1}: no checkpoint or published version of v{start + 1}..v{stop} is "
+              f"on disk to check them against", flush=True)
+    return checked
 
 
 @dataclass(frozen=True)
@@ -221,18 +228,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run", type=Path, help="the run's output dir")
     parser.add_argument("--from", dest="start", type=int, required=True, help="a step with a checkpoint")
-    parser.add_argument("--to", type=int, required=True, help="replay up to this step")
+    parser.add_argument("--to", type=int, required=True, help="replay steps --from..--to-1 (then take --to apart)")
     parser.add_argument("--take-apart", action="store_true", help="then take step --to apart")
     parser.add_argument("--over", type=int, default=1,
                         help="take apart the last N steps up to --to together (the variant on each)")
     parser.add_argument("--score", type=int, help="score on this recorded batch (default: the one after --to)")
     parser.add_argument("--show", type=int, default=8, help="breaks to print (with --take-apart)")
     args = parser.parse_args()
-    torch.set_num_threads(1)  # bit for bit: the run's trainer used one thread (cpu_threads)
     cfg = load_config(args.run / "config.yaml", [])
     if cfg.actor_train.strategy_args.strategy_name != "torch_train" or not cfg.record_to:
         raise SystemExit(f"{args.run}: needs a torch_train run with record_to set")
-    learner = make_learner(cfg)
+    learner = make_learner(cfg)  # the run's own threads (cpu_threads) too: the replay is bit for bit
     assert isinstance(learner, PolicyLearner)
     batches = recorded_batches(Path(cfg.record_to), cfg.rollout_batch_size, cfg.train_env_manager.group_size)
     first = args.to - args.over + 1 if args.take_apart else args.to  # the first step taken apart

@@ -78,7 +78,7 @@ def test_a_replay_from_a_checkpoint_is_the_run_bit_for_bit(tmp_path: Path, tiny_
     recorded = replay_update.recorded_batches(Path(str(cfg.record_to)), cfg.rollout_batch_size, 4)
     assert [len(b.groups) for b in recorded] == [2, 2, 2]
     learner = learner_of(cfg)
-    replay_update.replay(learner, cfg, recorded, 1, 3)  # checks itself against step 3's checkpoint
+    assert replay_update.replay(learner, cfg, recorded, 1, 3) == 1  # checked against step 3's checkpoint
     assert all(torch.equal(trained[k], v) for k, v in weights(learner).items())
     learner.close()
 
