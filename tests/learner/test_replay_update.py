@@ -18,7 +18,7 @@ from rollstream.consumer.learn.policy_learner import PolicyLearner
 from rollstream.shared.codec import encode_trajectory
 from rollstream.shared.config import RollstreamConfig
 from rollstream.shared.recording import Recorder
-from rollstream.shared.schema import make_group_id, make_traj_id
+from rollstream.shared.schema import Trajectory, make_group_id, make_traj_id
 from tests.benchmark_modules import load_benchmark
 
 from .helpers import learner_config, make_batch
@@ -27,7 +27,7 @@ from .test_no_effect_moves import walk
 replay_update = load_benchmark("replay_update")
 
 
-def won_alike(tokenizer: AutoTokenizer) -> list:  # type: ignore[type-arg]
+def won_alike(tokenizer: AutoTokenizer) -> list[Trajectory]:
     """A group whose members each won in two moves, beside a group that lost alike: the batch's success is 0.5 (its
     ids as the codec takes them, for the record)."""
     group_id = make_group_id("train", "FrozenLake", 1, 0)
@@ -35,7 +35,7 @@ def won_alike(tokenizer: AutoTokenizer) -> list:  # type: ignore[type-arg]
                                 traj_id=make_traj_id(group_id, m)) for m in range(4)]
 
 
-def into_walls(tokenizer: AutoTokenizer, walls: int) -> list:  # type: ignore[type-arg]
+def into_walls(tokenizer: AutoTokenizer, walls: int) -> list[Trajectory]:
     """A group that lost alike, each member first walking into `walls` walls: the no-effect term blames them."""
     return [walk(tokenizer, m, ["P_\n_G"] * walls + ["_P\n_G"]) for m in range(4)]
 
