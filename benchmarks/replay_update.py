@@ -27,8 +27,8 @@ Only for `torch_train` (the momentum variants read torch's AdamW state).
 from __future__ import annotations
 
 import argparse
-import copy
 import statistics
+import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -135,21 +135,31 @@ def replay(learner: PolicyLearner, cfg: RollstreamConfig, batches: list[Batch], 
 
 @dataclass(frozen=True)
 class Probe:
-    """Where the next batch's replies choose a move, and where they left the format."""
+    """Where the next batch's replies choose a move, and where they left the format: per trajectory, the indices in
+    its `input_ids` of its action tokens and of its breaks."""
 
-    actions: list[tuple[Trajectory, int]]
-    breaks: list[tuple[Trajectory, int]]
+    marks: list[tuple[Trajectory, list[int], list[int]]]
 
     @classmethod
     def of(cls, learner: PolicyLearner, batch: Batch) -> Probe:
-        actions, breaks = [], []
+        marks = []
         for traj in batch.trajectories:
             if traj.tag not in learner.reply_formats:
                 continue
-            actions += [(traj, at) for at in move_positions(traj, learner.piece)]
-            breaks += [(traj, at) for at in break_positions(traj, learner.piece, learner.reply_formats[traj.tag],
-                                                            whole_moves=learner.whole_moves[traj.tag])]
-        return cls(actions, breaks)
+            actions = move_positions(traj, learner.piece)
+            breaks = break_positions(traj, learner.piece, learner.reply_formats[traj.tag],
+                                     whole_moves=learner.whole_moves[traj.tag])
+            if actions or breaks:
+                marks.append((traj, actions, breaks))
+        return cls(marks)
+
+    @property
+    def actions(self) -> int:
+        return sum(len(actions) for _, actions, _ in self.marks)
+
+    @property
+    def breaks(self) -> list[tuple[Trajectory, int]]:
+        return [(traj, at) for traj, _, breaks in self.marks for at in breaks]
 
 
 @torch.no_grad()
@@ -157,11 +167,11 @@ def score(model: torch.nn.Module, probe: Probe, moves: torch.Tensor) -> dict[str
     """Leak (mass on tokens that begin no move at the action tokens) and p of each break, under `model`."""
     leaks: list[float] = []
     breaks: list[float] = []
-    for traj in {id(t): t for t, _ in probe.actions + probe.breaks}.values():
+    for traj, actions, breaking in probe.marks:
         ids = torch.as_tensor(traj.input_ids, dtype=torch.long)
         p = torch.softmax(model(input_ids=ids[None]).logits[0].float(), dim=-1)
-        leaks += [1.0 - float(p[at - 1, moves].sum()) for t, at in probe.actions if t is traj]
-        breaks += [float(p[at - 1, ids[at]]) for t, at in probe.breaks if t is traj]
+        leaks += [1.0 - float(p[at - 1, moves].sum()) for at in actions]
+        breaks += [float(p[at - 1, ids[at]]) for at in breaking]
     return {"leak mean": statistics.fmean(leaks) if leaks else 0.0, "leak worst": max(leaks, default=0.0),
             "break p mean": statistics.fmean(breaks) if breaks else 0.0, "break p max": max(breaks, default=0.0)}
 
@@ -169,21 +179,24 @@ def score(model: torch.nn.Module, probe: Probe, moves: torch.Tensor) -> dict[str
 def take_apart(learner: PolicyLearner, batches: list[Batch], probe: Probe,
                variants: tuple[Variant, ...] = VARIANTS) -> list[tuple[str, dict[str, float]]]:
     """Score the weights before `batches`' steps and after them under each variant (on every one of them; the
-    momentum zeroed before the first), each from the same state."""
+    momentum zeroed before the first), each from the same state: the learner's own checkpoint, taken first and
+    loaded again after the last."""
     model = learner.strategy.model
     moves = MoveTokens.of(learner.piece, model.get_output_embeddings().weight.shape[0],
                           move_names(learner.reply_formats)).ids
-    state = _state(learner)
     rows = [("before the update", score(model, probe, moves))]
-    for variant in variants:
-        _restore(learner, state)
-        if variant.zero_momentum:
-            for moments in learner.strategy.optimizer.state.values():
-                moments["exp_avg"].zero_()
-        for batch in batches:
-            learner.train_step(batch, _adjust(variant.settings))
-        rows.append((variant.name, score(model, probe, moves)))
-    _restore(learner, state)
+    with tempfile.TemporaryDirectory() as tmp:
+        state = Path(tmp) / "before"
+        learner.save_checkpoint(state)
+        for variant in variants:
+            learner.load_checkpoint(state)
+            if variant.zero_momentum:
+                for moments in learner.strategy.optimizer.state.values():
+                    moments["exp_avg"].zero_()
+            for batch in batches:
+                learner.train_step(batch, _adjust(variant.settings))
+            rows.append((variant.name, score(model, probe, moves)))
+        learner.load_checkpoint(state)
     return rows
 
 
@@ -191,27 +204,10 @@ def _adjust(changes: dict[str, Any]) -> Callable[[UpdateSettings], UpdateSetting
     return (lambda settings: replace(settings, **changes)) if changes else None
 
 
-def _state(learner: PolicyLearner) -> dict[str, Any]:
-    strategy = learner.strategy
-    return copy.deepcopy({"model": strategy.model.state_dict(), "optimizer": strategy.optimizer.state_dict(),
-                          "scheduler": strategy.scheduler.state_dict(), "generator": learner.generator.get_state(),
-                          "entropy": learner.entropy_control.state(), "steps": learner.steps_done})
-
-
-def _restore(learner: PolicyLearner, state: dict[str, Any]) -> None:
-    state = copy.deepcopy(state)
-    learner.strategy.model.load_state_dict(state["model"])
-    learner.strategy.optimizer.load_state_dict(state["optimizer"])
-    learner.strategy.scheduler.load_state_dict(state["scheduler"])
-    learner.generator.set_state(state["generator"])
-    learner.entropy_control.restore(state["entropy"])
-    learner.steps_done = state["steps"]
-
-
 def print_table(step: int, over: int, scored: int, rows: list[tuple[str, dict[str, float]]], probe: Probe) -> None:
     steps = f"step {step}" if over == 1 else f"steps {step - over + 1}-{step}"
     print(f"\n{steps} (the update{'s' if over > 1 else ''} that made v{step + 1}), scored on batch {scored}: "
-          f"{len(probe.actions)} action tokens, {len(probe.breaks)} breaks")
+          f"{probe.actions} action tokens, {len(probe.breaks)} breaks")
     columns = list(rows[0][1])
     print(f"| variant | {' | '.join(columns)} |\n|---|{'---|' * len(columns)}")
     for name, figures in rows:

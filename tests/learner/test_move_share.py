@@ -24,7 +24,7 @@ from rollstream.consumer.learn.move_share import (
 from rollstream.consumer.learn.policy_learner import PolicyLearner
 from rollstream.consumer.learn.tensors import build_token_batch
 from rollstream.shared.config import ConfigError, load_config
-from rollstream.shared.schema import Trajectory
+from rollstream.shared.schema import Trajectory, make_group_id, make_traj_id
 
 from .helpers import learner_config, make_batch
 from .test_no_effect_moves import walk
@@ -44,9 +44,11 @@ def among_moves(logits: torch.Tensor, targets: torch.Tensor, tokens: MoveTokens)
 
 
 def won_alike(tokenizer: AutoTokenizer) -> list[Trajectory]:
-    """A group whose four members each won in two moves: beside a group that lost alike, the batch's success is 0.5."""
-    return [dataclasses.replace(walk(tokenizer, m, ["P_\n_G", "_P\n_G"], success=True), group_id="won")
-            for m in range(4)]
+    """A group whose four members each won in two moves: beside a group that lost alike, the batch's success is 0.5
+    (its ids as the codec takes them, so that it can be recorded too)."""
+    group_id = make_group_id("train", "FrozenLake", 1, 0)
+    return [dataclasses.replace(walk(tokenizer, m, ["P_\n_G", "_P\n_G"], success=True), group_id=group_id,
+                                traj_id=make_traj_id(group_id, m)) for m in range(4)]
 
 
 def moves_learner(tmp_path: Path, tiny_model: Path, *overrides: str) -> tuple[PolicyLearner, MoveTokens]:

@@ -4,7 +4,6 @@ same state and leaves the learner as it found it."""
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import pytest
@@ -18,21 +17,14 @@ from rollstream.consumer.learn.policy_learner import PolicyLearner
 from rollstream.shared.codec import encode_trajectory
 from rollstream.shared.config import RollstreamConfig
 from rollstream.shared.recording import Recorder
-from rollstream.shared.schema import Trajectory, make_group_id, make_traj_id
+from rollstream.shared.schema import Trajectory
 from tests.benchmark_modules import load_benchmark
 
 from .helpers import learner_config, make_batch
+from .test_move_share import won_alike
 from .test_no_effect_moves import walk
 
 replay_update = load_benchmark("replay_update")
-
-
-def won_alike(tokenizer: AutoTokenizer) -> list[Trajectory]:
-    """A group whose members each won in two moves, beside a group that lost alike: the batch's success is 0.5 (its
-    ids as the codec takes them, for the record)."""
-    group_id = make_group_id("train", "FrozenLake", 1, 0)
-    return [dataclasses.replace(walk(tokenizer, m, ["P_\n_G", "_P\n_G"], success=True), group_id=group_id,
-                                traj_id=make_traj_id(group_id, m)) for m in range(4)]
 
 
 def into_walls(tokenizer: AutoTokenizer, walls: int) -> list[Trajectory]:
@@ -103,7 +95,7 @@ def test_an_update_taken_apart_names_the_term_that_moved_the_policy(tmp_path: Pa
     learner = learner_of(config(tmp_path, tiny_model))
     batch = make_batch([into_walls(tokenizer, 2), won_alike(tokenizer)], 0)
     probe = replay_update.Probe.of(learner, batch)
-    assert len(probe.actions) == 4 * 3 + 4 * 2 and not probe.breaks
+    assert probe.actions == 4 * 3 + 4 * 2 and not probe.breaks
     before = weights(learner)
     variants = {v.name: v for v in replay_update.VARIANTS}
     rows = dict(replay_update.take_apart(learner, [batch], probe, tuple(
