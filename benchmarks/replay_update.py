@@ -11,7 +11,8 @@ difference is reported as a failed replay, not explained away.
 
 `--take-apart` then trains step `--to` (the update that made version to+1) again under variants, each from the same
 state: as the run made it; without the policy gradient; the policy gradient alone; without each of the other terms
-(entropy bonus, format unlikelihood, fatal and no-effect moves); the move terms over the vocabulary; with Adam's
+(entropy bonus, format unlikelihood, fatal and no-effect moves); the move terms over the vocabulary; with the
+format's likelihood (`format_likelihood_coef`) at 1.0, or without it in a run that had it; with Adam's
 first moment zeroed (no momentum carried in) and with every term out (the momentum alone). `--over N` takes the N
 steps up to `--to` apart together: the variant on each of them, the momentum zeroed before the first. A variant
 changes the loss only: the mini-batches stay as the step planned them. Each is scored on the replies of the next
@@ -52,7 +53,8 @@ from rollstream.shared.recording import read_records
 from rollstream.shared.schema import Trajectory
 
 TERMS_OFF = {"policy_loss_coef": 0.0, "entropy_coef": 0.0, "kl_coef": 0.0, "unparsed_kl_coef": 0.0,
-             "format_unlikelihood_coef": 0.0, "fatal_move_unlikelihood_coef": 0.0, "no_effect_unlikelihood_coef": 0.0}
+             "format_unlikelihood_coef": 0.0, "fatal_move_unlikelihood_coef": 0.0, "no_effect_unlikelihood_coef": 0.0,
+             "format_likelihood_coef": 0.0}
 """Every term of the loss out: a step with these trains nothing but Adam's momentum."""
 
 
@@ -76,6 +78,15 @@ VARIANTS = (
     Variant("no momentum carried in", {}, zero_momentum=True),
     Variant("the momentum alone", TERMS_OFF),
 )
+
+
+def variants_for(cfg: RollstreamConfig) -> tuple[Variant, ...]:
+    """`VARIANTS`, and the format's likelihood taken out of a run that had it, or put into one that had not."""
+    if cfg.format_likelihood_coef > 0:
+        toggled = Variant("without the format's likelihood", {"format_likelihood_coef": 0.0})
+    else:
+        toggled = Variant("with the format's likelihood (1.0)", {"format_likelihood_coef": 1.0})
+    return (*VARIANTS[:-2], toggled, *VARIANTS[-2:])
 
 
 def recorded_batches(path: Path, batch_size: int, group_size: int) -> list[Batch]:
@@ -246,7 +257,8 @@ def main() -> None:
     if args.take_apart:
         probe = Probe.of(learner, batches[scored])
         print_breaks(learner, probe, args.show)
-        print_table(args.to, args.over, scored, take_apart(learner, batches[first:args.to + 1], probe), probe)
+        print_table(args.to, args.over, scored, take_apart(learner, batches[first:args.to + 1], probe,
+                                                              variants_for(cfg)), probe)
 
 
 if __name__ == "__main__":

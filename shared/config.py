@@ -458,6 +458,13 @@ class RollstreamConfig:
     format position from p ~0 to 0.1-0.3, trained on batches whose broken replies had an advantage on such tokens
     (docs/learning.md). The breaking token keeps format_unlikelihood_coef's push. Replies in the built-in format
     only."""
+    format_likelihood_coef: Annotated[float, Field(ge=0.0)] = 0.0
+    """Likelihood on the format of the replies that parsed: on every step, -log p of each generated token of each
+    well-formed reply but the one that chose its action, and -log p(any move) at that one (the move itself is left
+    to the policy gradient), times this, per response token as the policy loss. Its gradient on a token that would
+    break the format at such a position is that token's p, on every valid reply: the expected push of
+    format_unlikelihood_coef, which acts only on the breaks sampled, before a leak is sampled often enough to be
+    seen (`consumer/learn/format_likelihood.py`). Replies in the built-in format only. 0: off."""
     fatal_move_unlikelihood_coef: Annotated[float, Field(ge=0.0)] = 0.0
     """Unlikelihood on the move that lost an episode: on every step, -log(1 - p) of the token at which the last
     reply of each episode the env ended without success (FrozenLake: a step into a hole) chose its action, times

@@ -51,6 +51,7 @@ from rollstream.consumer.learn.advantages import AdvantageSettings, compute_adva
 from rollstream.consumer.learn.checkpoints import LearnerState, load_learner_state, save_checkpoint, strategy_dir
 from rollstream.consumer.learn.entropy_control import EntropyControl
 from rollstream.consumer.learn.fatal_moves import fatal_move_positions, success_scaled_coef
+from rollstream.consumer.learn.format_likelihood import format_nll, format_positions
 from rollstream.consumer.learn.format_unlikelihood import (
     Piece,
     break_positions,
@@ -150,6 +151,9 @@ class UpdateSettings:
     entropy_among_moves: bool = False
     """The entropy bonus is the entropy of the moves' shares at each valid reply's action token
     (`entropy_among_moves`); False: the token entropy of every response position."""
+    format_likelihood_coef: float = 0.0
+    """Coefficient of -log p on each valid reply's format tokens and of -log p(any move) at its action token
+    (`format_likelihood`)."""
     policy_loss_coef: float = 1.0
     """Coefficient of the PPO policy loss: 1 in training; 0 takes the policy gradient out of an update taken apart
     (`benchmarks/replay_update.py`)."""
@@ -177,15 +181,21 @@ class UpdateSettings:
 
     @property
     def zero_advantage_rows_have_no_gradient(self) -> bool:
-        """A KL penalty or an entropy bonus gives every row a gradient, whatever its advantage."""
-        return not self.has_kl_term and not self.has_entropy_term
+        """A KL penalty, an entropy bonus or the format's likelihood gives every row a gradient, whatever its
+        advantage."""
+        return not self.has_kl_term and not self.has_entropy_term and self.format_likelihood_coef == 0
 
     def __post_init__(self) -> None:
         if self.old_logprobs not in OLD_LOGPROB_SOURCES:
             raise ValueError(f"old_logprobs={self.old_logprobs!r}: must be one of {', '.join(OLD_LOGPROB_SOURCES)}")
-        if (self.blames_among_moves or self.entropy_among_moves) and self.move_tokens is None:
-            raise ValueError("a term takes the moves' shares (move_unlikelihood_among_moves, entropy_among_moves), "
-                             "but the settings hold no move tokens to take them over")
+        if self.takes_moves and self.move_tokens is None:
+            raise ValueError("a term takes the moves' shares or mass (move_unlikelihood_among_moves, "
+                             "entropy_among_moves, format_likelihood_coef), but the settings hold no move tokens")
+
+    @property
+    def takes_moves(self) -> bool:
+        """A term reads the mass of the tokens that begin a move at each valid reply's action token."""
+        return self.blames_among_moves or self.entropy_among_moves or self.format_likelihood_coef > 0
 
     @classmethod
     def from_config(cls, cfg: RollstreamConfig, tokenizer: Any = None) -> UpdateSettings:
@@ -196,21 +206,23 @@ class UpdateSettings:
         words = tuple(cfg.actor_infer.generating_args.bad_words)
         # entropy_among_moves comes with an entropy bonus: the config check refuses it without one
         blames, entropy = takes_move_share(cfg), cfg.entropy_among_moves
-        names = move_names(reply_formats(cfg.custom_envs)) if blames or entropy else ()
-        if (blames or entropy) and not names:
-            raise ValueError("move_unlikelihood_among_moves or entropy_among_moves: no env of custom_envs replies in "
-                             "the built-in format, so there are no moves to take shares among; drop the key")
+        takes_moves = blames or entropy or cfg.format_likelihood_coef > 0
+        names = move_names(reply_formats(cfg.custom_envs)) if takes_moves else ()
+        if takes_moves and not names:
+            raise ValueError("move_unlikelihood_among_moves, entropy_among_moves or format_likelihood_coef: no env of "
+                             "custom_envs replies in the built-in format, so there are no moves to read; drop the key")
         if (words or names) and tokenizer is None:
-            raise ValueError("UpdateSettings.from_config: this config bans words (bad_words) or takes the moves' "
-                             "shares (move_unlikelihood_among_moves, entropy_among_moves); pass the model's "
-                             "tokenizer so that the loss can find those tokens")
+            raise ValueError("UpdateSettings.from_config: this config bans words (bad_words) or reads the moves "
+                             "(move_unlikelihood_among_moves, entropy_among_moves, format_likelihood_coef); pass the "
+                             "model's tokenizer so that the loss can find those tokens")
         banned = tuple(tuple(ids) for ids in bad_word_ids(tokenizer, words)) if words else ()
         moves = MoveTokens.of(tokenizer_piece(tokenizer), len(tokenizer), names) if names else None
         return cls(low, cfg.is_ratio_cap, cfg.old_logprobs, cfg.init_kl_coef, cfg.entropy_loss_coef,
                    cfg.ppo_epochs, minibatch_size(cfg), args.per_device_train_batch_size,
                    args.max_tokens_per_microbatch, cfg.actor_train.infer_batch_size, high, cfg.skip_zero_advantage,
                    cfg.early_stop_kl, banned, unparsed_reply_kl_coef(cfg), cfg.format_unlikelihood_coef,
-                   cfg.fatal_move_unlikelihood_coef, cfg.no_effect_unlikelihood_coef, moves, blames, entropy)
+                   cfg.fatal_move_unlikelihood_coef, cfg.no_effect_unlikelihood_coef, moves, blames, entropy,
+                   cfg.format_likelihood_coef)
 
 
 class PolicyLearner:
@@ -230,7 +242,7 @@ class PolicyLearner:
         self.finds_breaks = cfg.format_unlikelihood_coef > 0 or cfg.format_break_ends_advantage
         """The format term blames the breaks, or the advantage ends at them."""
         finds = (self.finds_breaks or cfg.fatal_move_unlikelihood_coef > 0 or cfg.no_effect_unlikelihood_coef > 0
-                 or self.settings.entropy_among_moves)
+                 or self.settings.entropy_among_moves or cfg.format_likelihood_coef > 0)
         self.reply_formats = reply_formats(cfg.custom_envs) if finds else {}
         """Action names by env tag (the tags whose replies use the built-in format), for finding where an unparsed
         reply broke the format and where a move (fatal, one that changed nothing, any valid one) chose its action."""
@@ -255,9 +267,14 @@ class PolicyLearner:
                                    lambda t: fatal_move_positions(t, self.piece))
         no_effect = self.marked_tokens(trajs, self.settings.no_effect_unlikelihood_coef > 0,
                                        lambda t: no_effect_move_positions(t, self.piece))
-        moves = self.marked_tokens(trajs, self.settings.entropy_among_moves, lambda t: move_positions(t, self.piece))
+        # An update taken apart may add the format's likelihood to a run without it: its tokens are marked for it.
+        keeps_format = (adjust(self.settings) if adjust else self.settings).format_likelihood_coef > 0
+        moves = self.marked_tokens(trajs, self.settings.entropy_among_moves or keeps_format,
+                                   lambda t: move_positions(t, self.piece))
+        format_tokens = self.marked_tokens(trajs, keeps_format, lambda t: format_positions(t, self.piece))
         tokens = build_token_batch(trajs, advantages, whiten=self.cfg.whiten_advantages, clip=self.cfg.adv_clip,
                                    breaks=breaks, fatal=fatal, no_effect=no_effect, moves=moves,
+                                   format_tokens=format_tokens,
                                    advantage_ends_at_breaks=self.cfg.format_break_ends_advantage)
         check_trainable(tokens, batch.step)
         metrics = advantage_stats(tokens)
@@ -480,6 +497,11 @@ def microbatch_loss(forward: Forward, part: TokenBatch, settings: UpdateSettings
             loss = loss + coef * away / normalizer
             sums[term] = away.detach()
             sums[count] = blamed.sum()
+    if settings.format_likelihood_coef > 0 and part.format_mask is not None and part.move_mask is not None:
+        assert settings.move_tokens is not None  # __post_init__
+        kept = format_nll(logits, logprobs, mask, part.format_mask, part.move_mask, settings.move_tokens)
+        loss = loss + settings.format_likelihood_coef * kept / normalizer
+        sums["format_likelihood"] = kept.detach()
     # The token entropy keeps its graph only when it is the loss's bonus.
     bonus_over_vocab = settings.has_entropy_term and not settings.entropy_among_moves
     with torch.set_grad_enabled(bonus_over_vocab and torch.is_grad_enabled()):
@@ -522,7 +544,8 @@ def unparsed_drift(logits: torch.Tensor, part: TokenBatch, reference: Forward) -
 
 TALLY_KEYS = frozenset({"pg", "clip", "truncated", "ratio", "approx_kl", "is_weight", "kl", "unparsed_kl", "entropy",
                         "banned_mass", "unlikelihood", "format_breaks", "fatal_unlikelihood", "fatal_moves",
-                        "no_effect_unlikelihood", "no_effect_moves", "move_entropy", "moves", "tokens"})
+                        "no_effect_unlikelihood", "no_effect_moves", "move_entropy", "moves", "format_likelihood",
+                        "tokens"})
 """Every sum a Tally may hold; ranks reduce them in this (sorted) order, whichever they saw."""
 
 
@@ -604,6 +627,8 @@ class Tally:
         if "no_effect_unlikelihood" in self.sums:
             out["loss/no_effect_unlikelihood"] = self.sums["no_effect_unlikelihood"] / n
             out["actor/no_effect_moves"] = self.sums["no_effect_moves"]
+        if "format_likelihood" in self.sums:
+            out["loss/format_likelihood"] = self.sums["format_likelihood"] / n
         if "move_entropy" in self.sums:
             out["loss/move_entropy"] = self.sums["move_entropy"] / max(self.sums["moves"], 1.0)
         return out

@@ -49,6 +49,9 @@ class TokenBatch:
     move_mask: torch.Tensor | None = None
     """(B, T - 1) float32, 1 on the token at which each valid reply chose its action (`entropy_among_moves`); None
     when the batch was built without them."""
+    format_mask: torch.Tensor | None = None
+    """(B, T - 1) float32, 1 on every generated token of each valid reply but its action token
+    (`format_likelihood`); None when the batch was built without them."""
 
     @property
     def num_rows(self) -> int:
@@ -106,17 +109,18 @@ def build_token_batch(
     fatal: Sequence[Sequence[int]] | None = None,
     no_effect: Sequence[Sequence[int]] | None = None,
     moves: Sequence[Sequence[int]] | None = None,
+    format_tokens: Sequence[Sequence[int]] | None = None,
     advantage_ends_at_breaks: bool = False,
 ) -> TokenBatch:
     """Pad the trajectories into one TokenBatch with per-token advantages (whitened/clipped over response tokens);
     `breaks`: each trajectory's format-breaking token indices, for `break_mask`, and with `advantage_ends_at_breaks`
     each reply's tokens from its break to its end get no advantage; `fatal`: its fatal move's action token index,
     for `fatal_mask`; `no_effect`: its moves' that changed nothing, for `no_effect_mask`; `moves`: every valid
-    reply's, for `move_mask`."""
+    reply's, for `move_mask`; `format_tokens`: every valid reply's other tokens, for `format_mask`."""
     if len(trajs) != len(advantages):
         raise ValueError(f"{len(advantages)} advantages for {len(trajs)} trajectories")
     for name, marks in (("format breaks", breaks), ("fatal moves", fatal), ("no-effect moves", no_effect),
-                        ("moves", moves)):
+                        ("moves", moves), ("format tokens", format_tokens)):
         if marks is not None and len(marks) != len(trajs):
             raise ValueError(f"{name} for {len(marks)} trajectories, {len(trajs)} trajectories")
     for t in trajs:
@@ -163,6 +167,7 @@ def build_token_batch(
         fatal_mask=target_marks(fatal, width),
         no_effect_mask=target_marks(no_effect, width),
         move_mask=target_marks(moves, width),
+        format_mask=target_marks(format_tokens, width),
     )
 
 

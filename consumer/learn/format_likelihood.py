@@ -1,0 +1,50 @@
+"""Likelihood on the format of the replies that parsed (`format_likelihood_coef`).
+
+The main job's format wobbles, taken apart on machine 42 (docs/learning.md, `benchmarks/replay_update.py`), built
+over a few updates: at one state's format position a breaking token went from p ~0.001 to ~0.04, then Adam's
+momentum carried it to ~0.9 in one update. The format term (`format_unlikelihood`) pushes a breaking token down
+only where a sampled reply broke, one reply in twenty-five at that state while the leak is 0.04, and the policy
+gradient pushes it in both directions by the replies' advantages. This term acts on every reply that parsed: -log p
+of each of its format tokens, whose gradient on the logit of any other token at that position is that token's p:
+the expected push of unlikelihood on the sampled breaks, there on every reply before a break is sampled at all, and
+all but nothing where the format is whole (p of every other token ~0).
+
+At the token where a reply chose its action the format says "a move", not which: the term there is -log p(any
+move), the summed mass of the tokens that begin a move (`move_share.MoveTokens`), so it pushes down the tokens that
+would break the reply at that position and leaves the moves' shares among themselves to the policy gradient (all
+but: it raises each move's logit by its share times the leak, 1 - p(any move), which sharpens the shares by that
+factor: nothing where the format is whole).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rollstream.consumer.learn.format_unlikelihood import Piece, reply_tokens
+from rollstream.consumer.learn.move_share import MoveTokens
+from rollstream.shared.envs.text import answer_token
+from rollstream.shared.schema import Trajectory
+
+
+def format_positions(traj: Trajectory, piece: Piece) -> list[int]:
+    """The index in `traj.input_ids` of every generated token of each reply that parsed, but the one at which it
+    chose its action (`text.answer_token`; `move_share.move_positions` marks that one)."""
+    positions: list[int] = []
+    for turn in traj.turns:
+        if not turn.action_is_valid:
+            continue
+        generated, pieces = reply_tokens(traj, turn, piece)
+        at = answer_token(pieces)
+        if at is not None:  # a reply read by an env's own action_pattern need not spell the built-in format
+            positions.extend(k for i, k in enumerate(generated) if i != at)
+    return positions
+
+
+def format_nll(logits: torch.Tensor, logprobs: torch.Tensor, response_mask: torch.Tensor,
+               format_mask: torch.Tensor, move_mask: torch.Tensor, tokens: MoveTokens) -> torch.Tensor:
+    """Summed -log p over the format tokens (`format_mask` > 0; `logprobs` (B, T - 1) are their log p) and -log
+    p(any move) over the action tokens (`move_mask` > 0), from the response positions' `logits` (N, V)."""
+    fixed = -(logprobs.float() * format_mask).sum()
+    at = logits[move_mask[response_mask > 0] > 0].float()
+    log_any_move = torch.logsumexp(at[:, tokens.ids.to(at.device)], dim=-1) - torch.logsumexp(at, dim=-1)
+    return fixed - log_any_move.sum()
