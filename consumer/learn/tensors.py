@@ -47,8 +47,8 @@ class TokenBatch:
     """(B, T - 1) float32, 1 on the token at which a move that changed nothing chose its action (`no_effect_moves`);
     None when the batch was built without them."""
     move_mask: torch.Tensor | None = None
-    """(B, T - 1) float32, 1 on the token at which each valid reply chose its action (`entropy_among_moves`); None
-    when the batch was built without them."""
+    """(B, T - 1) float32, 1 on the token at which each valid reply chose its action (`entropy_among_moves`,
+    `format_likelihood`); None when the batch was built without them."""
     format_mask: torch.Tensor | None = None
     """(B, T - 1) float32, 1 on every generated token of each valid reply but its action token
     (`format_likelihood`); None when the batch was built without them."""
