@@ -54,6 +54,7 @@ AttnImplementation = Literal["eager", "sdpa", "flash_attention_2"]
 WeightsTransport = Literal["filesystem", "redis"]
 WandbMode = Literal["online", "offline", "disabled"]
 FatalMoveGroups = Literal["all", "at_success_rate"]
+FormatMoves = Literal["begun", "spelled"]
 
 MAX_ENV_GROUPS = 100_000
 """Bounds that keep a typo (num_env_groups: 10**12) an error, not a MemoryError while laying groups out."""
@@ -467,6 +468,10 @@ class RollstreamConfig:
     seen (`consumer/learn/format_likelihood.py`). Replies in the built-in format only. 0: off (the default and the
     main job's: at 1.0 three runs on machine 43 had a median 0.09 lower, and the leak moved to tokens that begin a
     move but that the policy does not finish; docs/learning.md)."""
+    format_likelihood_moves: FormatMoves = "begun"
+    """Which tokens p(any move) of format_likelihood_coef sums at the action token: `begun`, every token that
+    begins a move (`U` for `Up`); `spelled`, the tokens at which the step's batch's valid replies chose their action,
+    so that a leak into a token that begins a move but that no valid reply finishes is a leak."""
     fatal_move_unlikelihood_coef: Annotated[float, Field(ge=0.0)] = 0.0
     """Unlikelihood on the move that lost an episode: on every step, -log(1 - p) of the token at which the last
     reply of each episode the env ended without success (FrozenLake: a step into a hole) chose its action, times

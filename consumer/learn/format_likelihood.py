@@ -26,7 +26,6 @@ from __future__ import annotations
 import torch
 
 from rollstream.consumer.learn.format_unlikelihood import Piece, reply_tokens
-from rollstream.consumer.learn.move_share import MoveTokens
 from rollstream.shared.envs.text import answer_token
 from rollstream.shared.schema import Trajectory
 
@@ -45,11 +44,18 @@ def format_positions(traj: Trajectory, piece: Piece) -> list[int]:
     return positions
 
 
+def spelled_moves(input_ids: torch.Tensor, move_mask: torch.Tensor) -> torch.Tensor:
+    """(K,) the distinct tokens at which a batch's valid replies chose their action (`format_likelihood_moves:
+    spelled`; `input_ids` (B, T), `move_mask` (B, T - 1) on targets)."""
+    return torch.unique(input_ids[:, 1:][move_mask > 0])
+
+
 def format_nll(logits: torch.Tensor, logprobs: torch.Tensor, response_mask: torch.Tensor,
-               format_mask: torch.Tensor, move_mask: torch.Tensor, tokens: MoveTokens) -> torch.Tensor:
+               format_mask: torch.Tensor, move_mask: torch.Tensor, move_ids: torch.Tensor) -> torch.Tensor:
     """Summed -log p over the format tokens (`format_mask` > 0; `logprobs` (B, T - 1) are their log p) and -log
-    p(any move) over the action tokens (`move_mask` > 0), from the response positions' `logits` (N, V)."""
+    p(any move) over the action tokens (`move_mask` > 0), p(any move) the mass of the tokens `move_ids` (every token
+    that begins a move, `MoveTokens.ids`, or `spelled_moves`), from the response positions' `logits` (N, V)."""
     fixed = -(logprobs.float() * format_mask).sum()
     at = logits[move_mask[response_mask > 0] > 0].float()
-    log_any_move = torch.logsumexp(at[:, tokens.ids.to(at.device)], dim=-1) - torch.logsumexp(at, dim=-1)
+    log_any_move = torch.logsumexp(at[:, move_ids.to(at.device)], dim=-1) - torch.logsumexp(at, dim=-1)
     return fixed - log_any_move.sum()

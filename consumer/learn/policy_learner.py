@@ -51,7 +51,7 @@ from rollstream.consumer.learn.advantages import AdvantageSettings, compute_adva
 from rollstream.consumer.learn.checkpoints import LearnerState, load_learner_state, save_checkpoint, strategy_dir
 from rollstream.consumer.learn.entropy_control import EntropyControl
 from rollstream.consumer.learn.fatal_moves import fatal_move_positions, success_scaled_coef
-from rollstream.consumer.learn.format_likelihood import format_nll, format_positions
+from rollstream.consumer.learn.format_likelihood import format_nll, format_positions, spelled_moves
 from rollstream.consumer.learn.format_unlikelihood import (
     Piece,
     break_positions,
@@ -154,6 +154,8 @@ class UpdateSettings:
     format_likelihood_coef: float = 0.0
     """Coefficient of -log p on each valid reply's format tokens and of -log p(any move) at its action token
     (`format_likelihood`)."""
+    format_move_ids: torch.Tensor | None = None
+    """The tokens p(any move) sums (`format_likelihood_moves: spelled`, the step's own); None: `move_tokens`'."""
     policy_loss_coef: float = 1.0
     """Coefficient of the PPO policy loss: 1 in training; 0 takes the policy gradient out of an update taken apart
     (`benchmarks/replay_update.py`)."""
@@ -286,6 +288,8 @@ class PolicyLearner:
                            fatal_move_unlikelihood_coef=success_scaled_coef(self.cfg.fatal_move_unlikelihood_coef,
                                                                             trajs),
                            no_effect_unlikelihood_coef=success_scaled_coef(self.cfg.no_effect_unlikelihood_coef, trajs))
+        if keeps_format and self.cfg.format_likelihood_moves == "spelled" and tokens.move_mask is not None:
+            settings = replace(settings, format_move_ids=spelled_moves(tokens.input_ids, tokens.move_mask))
         metrics |= self.update(tokens, settings, adjust)
         metrics["actor/entropy_coef"] = settings.entropy_coef
         if fatal is not None:
@@ -499,7 +503,8 @@ def microbatch_loss(forward: Forward, part: TokenBatch, settings: UpdateSettings
             sums[count] = blamed.sum()
     if settings.format_likelihood_coef > 0 and part.format_mask is not None and part.move_mask is not None:
         assert settings.move_tokens is not None  # __post_init__
-        kept = format_nll(logits, logprobs, mask, part.format_mask, part.move_mask, settings.move_tokens)
+        move_ids = settings.move_tokens.ids if settings.format_move_ids is None else settings.format_move_ids
+        kept = format_nll(logits, logprobs, mask, part.format_mask, part.move_mask, move_ids)
         loss = loss + settings.format_likelihood_coef * kept / normalizer
         sums["format_likelihood"] = kept.detach()
     # The token entropy keeps its graph only when it is the loss's bonus.
