@@ -23,25 +23,19 @@ replies spell `Up` whole): p(any move) counts them as moves, and no valid reply 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-from rollstream.consumer.learn.format_unlikelihood import Piece, reply_tokens
-from rollstream.shared.envs.text import answer_token
 from rollstream.shared.schema import Trajectory
 
 
-def format_positions(traj: Trajectory, piece: Piece) -> list[int]:
-    """The index in `traj.input_ids` of every generated token of each reply that parsed, but the one at which it
-    chose its action (`text.answer_token`; `move_share.move_positions` marks that one)."""
-    positions: list[int] = []
-    for turn in traj.turns:
-        if not turn.action_is_valid:
-            continue
-        generated, pieces = reply_tokens(traj, turn, piece)
-        at = answer_token(pieces)
-        if at is not None:  # a reply read by an env's own action_pattern need not spell the built-in format
-            positions.extend(k for i, k in enumerate(generated) if i != at)
-    return positions
+def format_positions(traj: Trajectory, actions: Sequence[int]) -> list[int]:
+    """The index in `traj.input_ids` of every generated token of each reply that parsed but its action token
+    (`actions`: `move_share.move_positions`, which read the replies already)."""
+    chose = set(actions)
+    return [k for turn in traj.turns if turn.action_is_valid for k in range(*turn.response_span)
+            if traj.response_mask[k] > 0 and k not in chose]
 
 
 def spelled_moves(input_ids: torch.Tensor, move_mask: torch.Tensor) -> torch.Tensor:

@@ -273,7 +273,8 @@ class PolicyLearner:
         keeps_format = (adjust(self.settings) if adjust else self.settings).format_likelihood_coef > 0
         moves = self.marked_tokens(trajs, self.settings.entropy_among_moves or keeps_format,
                                    lambda t: move_positions(t, self.piece))
-        format_tokens = self.marked_tokens(trajs, keeps_format, lambda t: format_positions(t, self.piece))
+        format_tokens = None if moves is None or not keeps_format else [
+            format_positions(t, actions) if t.tag in self.reply_formats else [] for t, actions in zip(trajs, moves)]
         tokens = build_token_batch(trajs, advantages, whiten=self.cfg.whiten_advantages, clip=self.cfg.adv_clip,
                                    breaks=breaks, fatal=fatal, no_effect=no_effect, moves=moves,
                                    format_tokens=format_tokens,

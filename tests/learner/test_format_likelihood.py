@@ -11,7 +11,7 @@ from transformers import AutoTokenizer
 
 from rollstream.consumer.learn.format_likelihood import format_nll, format_positions, spelled_moves
 from rollstream.consumer.learn.format_unlikelihood import tokenizer_piece
-from rollstream.consumer.learn.move_share import MoveTokens
+from rollstream.consumer.learn.move_share import MoveTokens, move_positions
 
 from .helpers import make_batch
 from .test_move_share import NAMES, VOCAB, first_action_logits, moves_learner, piece, won_alike
@@ -22,7 +22,7 @@ def test_the_format_tokens_are_every_valid_replys_tokens_but_its_action_token(ti
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     piece_of = tokenizer_piece(tokenizer)
     traj = walk(tokenizer, 0, ["P_\n_G", "P_\n_G", "_P\n_G"], valid=(True, False, True))
-    kept = format_positions(traj, piece_of)
+    kept = format_positions(traj, move_positions(traj, piece_of))
     first, _ = traj.turns[0].response_span
     third, _ = traj.turns[2].response_span
     # `<answer>` `R` `ight` `</answer>` end-of-sequence: `R` chose the move; the broken second reply gives none.
