@@ -19,6 +19,9 @@ changes the loss only: the mini-batches stay as the step planned them. Each is s
 recorded batch (`--score N`: of batch N, e.g. the broken batch a step later, sampled by the version this update
 made), under the weights it leaves:
 - leak: the mass on tokens that begin no move at each valid reply's action token (mean, and its worst context);
+- unspelled: the mass there on tokens that no valid reply of the scored batch chose its action with, so that a leak
+  into a token that begins a move but that no reply finishes (`U` for `Up`) counts too (as
+  `format_likelihood_moves: spelled` counts it);
 - breaks: p of each break of an unparsed reply at its position (mean, and the largest).
 A format wobble (a batch whose replies leave the format after one update) shows as a leak or break figure that the
 update as run raises; the variant that leaves it low names the part of the update that raised it.
@@ -169,22 +172,37 @@ class Probe:
         return sum(len(actions) for _, actions, _ in self.marks)
 
     @property
+    def spelled(self) -> torch.Tensor:
+        """The distinct tokens at which the batch's valid replies chose their action."""
+        return torch.tensor(sorted({traj.input_ids[at] for traj, actions, _ in self.marks for at in actions}),
+                            dtype=torch.long)
+
+    @property
     def breaks(self) -> list[tuple[Trajectory, int]]:
         return [(traj, at) for traj, _, breaks in self.marks for at in breaks]
 
 
 @torch.no_grad()
 def score(model: torch.nn.Module, probe: Probe, moves: torch.Tensor) -> dict[str, float]:
-    """Leak (mass on tokens that begin no move at the action tokens) and p of each break, under `model`."""
+    """Leak (mass on tokens that begin no move at the action tokens), the mass there off the moves the batch's valid
+    replies spelled, and p of each break, under `model`."""
     leaks: list[float] = []
+    unspelled: list[float] = []
     breaks: list[float] = []
+    spelled = probe.spelled
     for traj, actions, breaking in probe.marks:
         ids = torch.as_tensor(traj.input_ids, dtype=torch.long)
         p = torch.softmax(model(input_ids=ids[None]).logits[0].float(), dim=-1)
         leaks += [1.0 - float(p[at - 1, moves].sum()) for at in actions]
+        unspelled += [1.0 - float(p[at - 1, spelled].sum()) for at in actions]
         breaks += [float(p[at - 1, ids[at]]) for at in breaking]
-    return {"leak mean": statistics.fmean(leaks) if leaks else 0.0, "leak worst": max(leaks, default=0.0),
-            "break p mean": statistics.fmean(breaks) if breaks else 0.0, "break p max": max(breaks, default=0.0)}
+    return {"leak mean": _mean(leaks), "leak worst": max(leaks, default=0.0),
+            "unspelled mean": _mean(unspelled), "unspelled worst": max(unspelled, default=0.0),
+            "break p mean": _mean(breaks), "break p max": max(breaks, default=0.0)}
+
+
+def _mean(values: list[float]) -> float:
+    return statistics.fmean(values) if values else 0.0
 
 
 def take_apart(learner: PolicyLearner, batches: list[Batch], probe: Probe,

@@ -103,6 +103,12 @@ Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tens
 """(input_ids, attention_mask, positions) -> logits; see `TrainStrategy.forward`."""
 
 
+def reads_moves(blames_among_moves: bool, entropy_among_moves: bool, format_likelihood_coef: float) -> bool:
+    """A term of the loss reads the mass of the tokens that begin a move at each valid reply's action token: the move
+    terms' shares among moves, the entropy among moves, or p(any move) of the format's likelihood."""
+    return blames_among_moves or entropy_among_moves or format_likelihood_coef > 0
+
+
 @dataclass(frozen=True)
 class UpdateSettings:
     clip_eps: float = 0.2
@@ -197,7 +203,7 @@ class UpdateSettings:
     @property
     def takes_moves(self) -> bool:
         """A term reads the mass of the tokens that begin a move at each valid reply's action token."""
-        return self.blames_among_moves or self.entropy_among_moves or self.format_likelihood_coef > 0
+        return reads_moves(self.blames_among_moves, self.entropy_among_moves, self.format_likelihood_coef)
 
     @classmethod
     def from_config(cls, cfg: RollstreamConfig, tokenizer: Any = None) -> UpdateSettings:
@@ -208,7 +214,7 @@ class UpdateSettings:
         words = tuple(cfg.actor_infer.generating_args.bad_words)
         # entropy_among_moves comes with an entropy bonus: the config check refuses it without one
         blames, entropy = takes_move_share(cfg), cfg.entropy_among_moves
-        takes_moves = blames or entropy or cfg.format_likelihood_coef > 0
+        takes_moves = reads_moves(blames, entropy, cfg.format_likelihood_coef)
         names = move_names(reply_formats(cfg.custom_envs)) if takes_moves else ()
         if takes_moves and not names:
             raise ValueError("move_unlikelihood_among_moves, entropy_among_moves or format_likelihood_coef: no env of "
@@ -244,7 +250,7 @@ class PolicyLearner:
         self.finds_breaks = cfg.format_unlikelihood_coef > 0 or cfg.format_break_ends_advantage
         """The format term blames the breaks, or the advantage ends at them."""
         finds = (self.finds_breaks or cfg.fatal_move_unlikelihood_coef > 0 or cfg.no_effect_unlikelihood_coef > 0
-                 or self.settings.entropy_among_moves or cfg.format_likelihood_coef > 0)
+                 or self.settings.takes_moves)
         self.reply_formats = reply_formats(cfg.custom_envs) if finds else {}
         """Action names by env tag (the tags whose replies use the built-in format), for finding where an unparsed
         reply broke the format and where a move (fatal, one that changed nothing, any valid one) chose its action."""

@@ -104,6 +104,9 @@ def test_an_update_taken_apart_names_the_term_that_moved_the_policy(tmp_path: Pa
     assert rows["without the no-effect term"] == rows["before the update"]
     assert rows["the momentum alone"] == rows["before the update"]
     assert rows["as run"]["leak mean"] != rows["before the update"]["leak mean"]
+    # every reply chose Right: the mass off it counts the other moves too, a leak into them as into the format
+    assert len(probe.spelled) == 1
+    assert all(row["unspelled mean"] > row["leak mean"] for row in rows.values())
     assert all(torch.equal(before[k], v) for k, v in weights(learner).items())
     learner.train_step(batch)  # the state take_apart restored trains as a fresh learner would
     fresh = learner_of(config(tmp_path / "fresh", tiny_model))
