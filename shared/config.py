@@ -465,14 +465,16 @@ class RollstreamConfig:
     to the policy gradient), times this, per response token as the policy loss. Its gradient on a token that would
     break the format at such a position is that token's p, on every valid reply: the expected push of
     format_unlikelihood_coef, which acts only on the breaks sampled, before a leak is sampled often enough to be
-    seen (`consumer/learn/format_likelihood.py`). Replies in the built-in format only. 0: off (the default and the
-    main job's: at 1.0 three runs on machine 43 had a median 0.09 lower, and the leak moved to tokens that begin a
-    move but that the policy does not finish; docs/learning.md)."""
-    format_likelihood_moves: FormatMoves = "begun"
-    """Which tokens p(any move) of format_likelihood_coef sums at the action token: `begun`, every token that
-    begins a move (`U` for `Up`); `spelled`, the tokens at which the step's batch's valid replies chose their action,
-    so that a leak into a token that begins a move but that no valid reply finishes is a leak (two runs with it on
-    machine 43, a lead, not shipped: 0.82 and 0.81, 8 and 2 broken replies after step 100; docs/learning.md)."""
+    seen (`consumer/learn/format_likelihood.py`). Replies in the built-in format only. 0: off (the default); the
+    main job's 1.0, with format_likelihood_moves `spelled`: on machine 44 three runs alternating with three of the
+    config before it read 0.86 / 0.87 / 0.88 at 15 minutes against 0.77 / 0.80 / 0.84, with 11-23 broken replies
+    after step 100 against 288-912 (docs/learning.md)."""
+    format_likelihood_moves: FormatMoves = "spelled"
+    """Which tokens p(any move) of format_likelihood_coef sums at the action token: `spelled` (the default), the
+    tokens at which the step's batch's valid replies chose their action, so that a leak into a token that begins a
+    move but that no valid reply finishes (`U` for `Up`) is a leak; `begun`, every token that begins a move (on
+    machine 43 three runs with it had a median 0.09 under the config before, the leak moved into `U` and ` Up`;
+    docs/learning.md)."""
     fatal_move_unlikelihood_coef: Annotated[float, Field(ge=0.0)] = 0.0
     """Unlikelihood on the move that lost an episode: on every step, -log(1 - p) of the token at which the last
     reply of each episode the env ended without success (FrozenLake: a step into a hole) chose its action, times
