@@ -35,7 +35,7 @@ RECORD = (
     ("noeffect_m36-first64",), ("ship_m38-first64",), ("ship_m39-first64",), ("moves_m39-first64",),
     ("moves_m39_r4-first64",), ("ship_m40-first64",), ("ent_m40-first64",), ("ship_m41-first64",),
     ("stop_m41-first64",), ("stop_m41_r4-first64",), ("ship_m42-first64",), ("ship_m43-first64",),
-    ("ship_m44-first64",), ("flikeS_m44-first64",), ("ship_m45-first64",),
+    ("ship_m44-first64",), ("flikeS_m44-first64",), ("ship_m45-first64",), ("ship_s123_m45-first64",),
 )
 """Read on validation's 64 held-out maps: the measurements of the config `make run` shipped on their day, of a
 change to it that computed the same updates, or of the next config measured before it shipped (`ul1_dec04`,
@@ -57,7 +57,7 @@ RECORD_256 = (("val256_m25",), ("shipped_m25",), ("shipped_m26",), ("fatalS_m26"
               ("shipped_m35",), ("shipped_m36",), ("noeffect_m36",), ("ship_m38",), ("ship_m39",), ("moves_m39",),
               ("moves_m39_r4",), ("ship_m40",), ("ent_m40",), ("ship_m41",), ("stop_m41",),
               ("stop_m41_r4",), ("ship_m42",), ("ship_m43",), ("ship_m44",), ("flikeS_m44",),
-              ("ship_m45",))
+              ("ship_m45",), ("ship_s123_m45",))
 """The same, read on 256 held-out maps (a standard error of about 0.03 against 0.06 on 64), from 2026-12-05."""
 REACHED, FLOOR, MEDIAN, BY_MINUTES = 0.6, 0.5, 0.7, 15
 """Issue 16's bars: >= 0.6 within 15 minutes, never back below 0.5 after, a median of three >= 0.7."""
